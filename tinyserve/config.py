@@ -1,0 +1,210 @@
+"""Frozen configuration objects, one per concern, validated on construction.
+
+No torch here: the scheduler and the KV-cache manager import this module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama/Qwen2 decoder. Llama and Qwen2 differ only by flags."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None or {"rope_type": "llama3", "factor": .., "low_freq_factor": .., ...}
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}: tinyserve serves "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model config: {name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"model config: rope scaling type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        if arch is None:
+            raise ValueError(
+                "config.json names no architecture (no 'architectures' and an unknown "
+                f"'model_type' {cfg.get('model_type')!r})"
+            )
+        model_type = cfg.get("model_type", "")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers 5 moved rope_theta and rope_scaling into "rope_parameters".
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
+            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "default":
+            rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        attention_bias = cfg.get("attention_bias")
+        if attention_bias is None:
+            attention_bias = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(attention_bias),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def _arch_from_model_type(model_type: str | None) -> str | None:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(model_type or "")
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' / '512MB' / '1.5G' / 1234 -> bytes. Binary and decimal units both accepted."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size must be > 0, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}: use e.g. '2GiB', '512MB' or a byte count")
+    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if (binary or unit) else 1
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    value = int(num * (base**power))
+    if value <= 0:
+        raise ValueError(f"size must be > 0, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks (from a count or a memory budget)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over kv_cache_memory when given
+    kv_cache_memory: int = 1 << 30  # bytes; used when num_blocks is None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step budget. ``policy='continuous'`` is iteration-level batching; ``'static'`` gangs."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: str = "continuous"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8321
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    log_requests: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,107 @@
+"""Typed contracts between the rooms: scheduler -> runner -> engine -> API. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyserve.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` tokens starting at
+    ``request.num_computed_tokens``. ``block_ids`` is its whole block table after allocation."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the prompt (or a recompute after preemption) is still being filled."""
+        return self.request.num_computed_tokens + self.num_new_tokens < self.request.num_tokens or (
+            self.num_new_tokens > 1
+        )
+
+    @property
+    def samples(self) -> bool:
+        """A request samples a token when this step brings it level with all its tokens."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step (a ScheduledBatch in the design doc)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that left the engine since the last step (finished or aborted): the runner
+    # drops any per-request state it keeps (e.g. seeded generators).
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives (token_id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One forward + sample: the new token of each request that sampled this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request, ready for the API layer."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of an offline ``LLM.generate`` result."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -1,0 +1,128 @@
+"""SamplingParams: what a request asks of the sampler and of the stop checks. No torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_MAX_STOP_STRINGS = 64
+_MAX_STOP_STRING_LEN = 512
+_MAX_N = 16
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping. Validated on construction (ValueError names the field).
+
+    ``temperature == 0`` means greedy. ``top_k == -1`` (or 0) disables top-k. ``seed`` makes
+    the request's random draws depend only on the seed, not on what else shares the batch.
+    ``logprobs=k`` returns the sampled token's logprob plus the top-k alternatives (k may be 0).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("n", self.n, 1, _MAX_N)
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1, None)
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.logit_bias:
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                _check_float("logit_bias", v)
+                if not -100.0 <= float(v) <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
+                bias[tok] = float(v)
+            self.logit_bias = bias
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**63 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if len(self.stop) > _MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {_MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop strings must be non-empty strings")
+            if len(s) > _MAX_STOP_STRING_LEN:
+                raise ValueError(f"stop strings must be at most {_MAX_STOP_STRING_LEN} characters")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate_for_model(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids in range."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is not below the vocab size {vocab_size}")
+        for t in self.logit_bias or {}:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is outside [0, {vocab_size})")
+
+
+def _check_int(name: str, value: object, lo: int | None, hi: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be finite, got {value!r}")

@@ -87,7 +87,9 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if len(self.stop) > _MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {_MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise ValueError(
+                f"stop: at most {_MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError("stop strings must be non-empty strings")

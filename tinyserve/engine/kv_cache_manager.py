@@ -1,0 +1,259 @@
+"""KVCacheManager: the paged KV cache's bookkeeping (block ids, ref counts, prefix hashes).
+
+Plain Python, no torch: the K/V tensors live in the worker; this module only decides which
+block ids a request's tokens go to.
+
+Ownership:
+- A request holds one reference on every block of its block table, from ``allocate_slots``
+  until ``free(request_id)`` (called by the scheduler on finish, abort and preemption).
+- A block whose ref count drops to 0 goes to the tail of the free queue. If it is full and
+  hashed it stays in the prefix cache (lazy eviction) until it is taken from the head of the
+  free queue for new use; a prefix-cache hit before then takes it back out of the queue.
+- A block is written only by its sole owner: the partly filled tail block is never hashed, so
+  only full blocks are ever shared, and full blocks are never written again.
+- Hashes are registered when ``allocate_slots`` makes a block full, before the step that
+  writes its K/V runs: a request scheduled in the same step may hit it. So the runner must
+  write every new K/V of a step before attention reads (per layer), and must run every
+  request of a SchedulerOutput; if a step fails, call ``reset_prefix_cache()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tinyserve.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained block hash: a block's hash depends on every token before it.
+
+    Python hashes of ints/tuples do not depend on PYTHONHASHSEED, so they are stable.
+    Collisions are possible; lookups compare the stored tokens and parent (see KVCacheBlock).
+    """
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class KVCacheBlock:
+    """One block of ``block_size`` token slots in every layer's K/V tensors."""
+
+    block_id: int
+    ref_count: int = 0
+    # Set while the block is in the prefix cache (full, hashed), cleared on eviction.
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    # Never-reused identity of the cached content and of its parent block's content: with the
+    # token ids, this makes a hit exact even if the hash chain collides.
+    content_id: int | None = None
+    parent_content_id: int | None = None
+
+
+@dataclass
+class _HashChain:
+    """A request's registered full blocks: (hash, content id) of the cached copy of each."""
+
+    hashes: list[int] = field(default_factory=list)
+    content_ids: list[int] = field(default_factory=list)
+    # False after a hash collision (or a cache reset): later blocks are not registered.
+    cacheable: bool = True
+
+
+class KVCacheManager:
+    """A fixed pool of ``num_blocks`` blocks, a free queue in LRU order and a prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_total_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # Head = least recently freed = next to be reused. OrderedDict: O(1) removal of a hit.
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_block_hash_to_block: dict[int, int] = {}
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self._req_to_chain: dict[str, _HashChain] = {}
+        self._content_ids = itertools.count()
+        # vLLM's prefix-cache metrics: tokens looked up / tokens found; and the same in blocks.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefix_cache_block_queries = 0
+        self.prefix_cache_block_hits = 0
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue; cached blocks nobody references count as free."""
+        return len(self._free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next reused) first."""
+        return list(self._free_queue)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks matching ``request.all_token_ids`` from the start.
+
+        Returns (block ids, number of tokens they hold). Never covers the last token, so the
+        request always computes at least one token and has logits to sample from. Takes no
+        references: pass the blocks to ``allocate_slots`` in the same step.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        bs = self.block_size
+        max_blocks = (len(tokens) - 1) // bs
+        hits: list[int] = []
+        parent_hash: int | None = None
+        parent_content_id: int | None = None
+        for i in range(max_blocks):
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            block_hash = hash_block_tokens(parent_hash, block_tokens)
+            block_id = self.cached_block_hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != block_tokens or block.parent_content_id != parent_content_id:
+                break  # hash collision: a miss
+            hits.append(block_id)
+            parent_hash, parent_content_id = block_hash, block.content_id
+        num_hit_tokens = len(hits) * bs
+        self.prefix_cache_queries += len(tokens)
+        self.prefix_cache_hits += num_hit_tokens
+        self.prefix_cache_block_queries += max_blocks
+        self.prefix_cache_block_hits += len(hits)
+        return hits, num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash. Blocks in use stay with their requests; those requests
+        register no further blocks (their chains would hang off forgotten parents)."""
+        for block in self.blocks:
+            _clear_hash(block)
+        self.cached_block_hash_to_block.clear()
+        for chain in self._req_to_chain.values():
+            chain.cacheable = False
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Make the request's block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``computed_blocks`` (prefix hits from ``get_computed_blocks``, only for a request with
+        no blocks yet) become the start of its table; the caller has already counted them in
+        ``request.num_computed_tokens``. Returns the whole block table, or None, changing
+        nothing, when the free queue cannot supply the blocks.
+        """
+        request_id = request.request_id
+        computed_blocks = computed_blocks or []
+        table = self.req_to_blocks.get(request_id)
+        if computed_blocks and table:
+            raise ValueError(f"request {request_id!r} already has blocks; hits are for new ones")
+        num_held = len(table or ()) + len(computed_blocks)
+        num_required = request.num_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, -(-num_required // self.block_size) - num_held)
+        # A free cached hit leaves the free queue too.
+        num_free_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_free_hits > self.num_free_blocks:
+            return None
+
+        if table is None:
+            table = self.req_to_blocks[request_id] = []
+            self._req_to_chain[request_id] = _HashChain()
+        chain = self._req_to_chain[request_id]
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free_queue[block_id]
+            block.ref_count += 1
+            table.append(block_id)
+            chain.hashes.append(block.block_hash)
+            chain.content_ids.append(block.content_id)
+        for _ in range(num_new_blocks):
+            block_id, _ = self._free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            table.append(block_id)
+        if self.enable_prefix_caching:
+            num_full = min(num_required, request.num_tokens) // self.block_size
+            self._register_full_blocks(request, table, chain, num_full)
+        return list(table)
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references. Tail first, so a prefix's tail is evicted before
+        its head (the head is the part other requests are likeliest to share). Idempotent."""
+        table = self.req_to_blocks.pop(request_id, None)
+        self._req_to_chain.pop(request_id, None)
+        for block_id in reversed(table or ()):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue[block_id] = None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _register_full_blocks(
+        self, request: Request, table: list[int], chain: _HashChain, num_full: int
+    ) -> None:
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(chain.hashes), num_full):
+            if not chain.cacheable:
+                return
+            parent_hash = chain.hashes[-1] if chain.hashes else None
+            parent_content_id = chain.content_ids[-1] if chain.content_ids else None
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            block_hash = hash_block_tokens(parent_hash, block_tokens)
+            block = self.blocks[table[i]]
+            cached_id = self.cached_block_hash_to_block.get(block_hash)
+            if cached_id is None:
+                block.block_hash = block_hash
+                block.token_ids = block_tokens
+                block.content_id = next(self._content_ids)
+                block.parent_content_id = parent_content_id
+                self.cached_block_hash_to_block[block_hash] = block.block_id
+                content_id = block.content_id
+            else:
+                cached = self.blocks[cached_id]
+                same = (
+                    cached.token_ids == block_tokens
+                    and cached.parent_content_id == parent_content_id
+                )
+                if not same:
+                    chain.cacheable = False  # collision: keep the incumbent, stop here
+                    return
+                # The same content computed twice (or this block is the hit itself): children
+                # chain off the cached copy, whose K/V equal ours.
+                content_id = cached.content_id
+            chain.hashes.append(block_hash)
+            chain.content_ids.append(content_id)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
+                del self.cached_block_hash_to_block[block.block_hash]
+        _clear_hash(block)
+
+
+def _clear_hash(block: KVCacheBlock) -> None:
+    block.block_hash = None
+    block.token_ids = None
+    block.content_id = None
+    block.parent_content_id = None

@@ -1,0 +1,240 @@
+"""Scheduler: which requests run each step and with how many tokens (vLLM v1 style).
+
+Plain Python, no torch. There are no prefill/decode phases: each request's
+``num_computed_tokens`` catches up to its ``num_tokens``, a chunk at a time while prefilling,
+one token a step while decoding; both may share a step.
+
+Ownership: the scheduler owns Request objects from ``add_request`` until they finish. It
+takes blocks for them from the KVCacheManager in ``schedule`` and gives all of them back
+when a request finishes (``update_from_output``, ``finish_request``, ``abort_request``) or is
+preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.engine.kv_cache_manager import KVCacheManager
+from tinyserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tinyserve.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Iteration-level scheduling under ``max_num_batched_tokens`` / ``max_num_seqs``.
+
+    Each step: running requests first, in admission order; when one cannot get a block, the
+    most recently admitted running request is preempted by recompute (blocks freed, back to
+    the front of ``waiting``). Then, if nothing was preempted, waiting requests are admitted
+    FCFS, with their prefix-cache hits, until one does not fit. ``policy='static'`` admits only
+    when nothing is running, so a batch (gang) runs until all of it finishes.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+    ):
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Every unfinished request, waiting or running.
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Ids that left since the last schedule(): reported in the next SchedulerOutput.
+        self._finished_request_ids: list[str] = []
+        # Failed in schedule() (can never fit the KV cache): returned by the next update.
+        self._failed_in_schedule: list[Request] = []
+
+    # -- queue state -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts and allocate their blocks.
+
+        ``ScheduledRequest.block_ids`` is each request's whole block table; the request's
+        ``num_computed_tokens`` is advanced only in ``update_from_output``.
+        """
+        budget = self.scheduler_config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is None:
+                break  # the request was itself the last one: nothing after it runs
+            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            budget -= num_new
+            index += 1
+
+        if not preempted and self._may_admit():
+            budget = self._admit_waiting(budget, scheduled)
+
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled, preempted_request_ids=preempted, finished_request_ids=finished
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance the scheduled requests, append sampled tokens, run the stop checks.
+
+        Returns the requests that got a new token or finished this step, plus any that
+        ``schedule()`` failed (too long for the whole KV cache), so the engine must call this
+        after every ``schedule()``, even an empty one. Requests that finished or were aborted
+        since ``schedule()`` are skipped.
+        """
+        changed = self._failed_in_schedule
+        self._failed_in_schedule = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if self.requests.get(request.request_id) is not request or request.is_finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            status = check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            changed.append(request)
+        return changed
+
+    # -- leaving early -----------------------------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request wherever it is (stop strings, errors, aborts); frees all its blocks.
+        Returns False for an unknown (or already finished) id."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _may_admit(self) -> bool:
+        return self.scheduler_config.policy != "static" or not self.running
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests FCFS (no skipping). Returns the budget left."""
+        kv = self.kv_cache_manager
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting[0]
+            if -(-request.num_tokens // kv.block_size) > kv.num_total_blocks:
+                # Would wait forever at the head of the queue: fail it instead.
+                request.error = (
+                    f"request needs {request.num_tokens} tokens of KV cache; only "
+                    f"{kv.num_total_blocks * kv.block_size} exist"
+                )
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._failed_in_schedule.append(request)
+                continue
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget and not self.scheduler_config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            request.num_computed_tokens = num_hit_tokens
+            block_ids = kv.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: the caller has taken ``request`` out of ``running``."""
+        self.kv_cache_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Take ``request`` out of wherever it is and give back all its blocks."""
+        _remove_identical(self.running, request)
+        _remove_identical(self.waiting, request)
+        request.status = status
+        self.kv_cache_manager.free(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+
+
+def _remove_identical(queue: list[Request] | deque[Request], request: Request) -> None:
+    # By identity: Request is a dataclass, so == would compare every field.
+    for i, item in enumerate(queue):
+        if item is request:
+            del queue[i]
+            return
+
+
+def check_stop(request: Request, token_id: int) -> RequestStatus | None:
+    """Stop checks after ``token_id`` was appended. Stop strings are the detokenizer's job."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if (
+        request.num_output_tokens >= request.max_tokens
+        or request.num_tokens >= request.max_model_len
+    ):
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,20 @@
+"""RMSNorm, computed in float32 like the reference implementation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        dtype = x.dtype
+        xf = x.float()
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(variance + self.eps)
+        return self.weight * xf.to(dtype)

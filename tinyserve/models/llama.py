@@ -1,0 +1,166 @@
+"""One decoder for Llama and Qwen2, written here (not transformers' modules).
+
+The two differ only by config flags: q/k/v bias (Qwen2), tied or separate LM head, RoPE
+scaling. q/k/v and gate/up are fused into one matrix each (one GEMM instead of three/two);
+the loader's name table maps checkpoint tensors into the fused shards.
+
+The model sees tensors only: flat ``input_ids``/``positions`` for the step's tokens, the
+per-layer paged KV cache and an :class:`AttentionMetadata`. It never sees requests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyserve.config import ModelConfig
+from tinyserve.layers.activation import silu_and_mul
+from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from tinyserve.layers.norm import RMSNorm
+from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, kv_heads, head_dim],) * 2
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (missing ones are an error).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Module()
+        self.qkv_proj.weight = _param(self.q_size + 2 * self.kv_size, hidden, dtype=dtype)
+        self.qkv_proj.bias = (
+            _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+        )
+        self.o_proj = nn.Module()
+        self.o_proj.weight = _param(hidden, self.q_size, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return F.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Module()
+        self.gate_up_proj.weight = _param(
+            2 * config.intermediate_size, config.hidden_size, dtype=dtype
+        )
+        self.down_proj = nn.Module()
+        self.down_proj.weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, x, cos_sin, kv_cache, meta):
+        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_position: int | None = None,
+        rope_inv_freq: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            max_position or config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+            inv_freq=rope_inv_freq,
+        )
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = F.embedding(input_ids, self.embed_tokens.weight)  # [num_tokens, hidden]
+        cos_sin = self.rotary_emb.cos_sin(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        max_position: int | None = None,
+        rope_inv_freq: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, max_position, rope_inv_freq)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm: [num_tokens, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in)."""
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,50 @@
+"""Sizing and allocation of the paged KV cache (the tensors; block bookkeeping lives in
+engine/kv_cache_manager.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyserve.config import CacheConfig, ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = block_size * config.num_key_value_heads * config.head_dim * itemsize
+    return 2 * config.num_hidden_layers * per_layer
+
+
+def num_blocks_for(config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype) -> int:
+    """The block count: given directly, or as many as fit the memory budget."""
+    if cache_config.num_blocks is not None:
+        return cache_config.num_blocks
+    per_block = bytes_per_block(config, cache_config.block_size, dtype)
+    num_blocks = cache_config.kv_cache_memory // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv cache memory budget of {cache_config.kv_cache_memory} bytes holds no block "
+            f"({per_block} bytes per block of {cache_config.block_size} tokens): raise --kv-cache-memory"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[KVCache]:
+    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+    Zero-filled so a stale read can never be NaN."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]

@@ -1,0 +1,291 @@
+"""Batched sampling: logits [B, V] -> one token per row, plus logprobs when asked.
+
+Contract with the model runner:
+- The runner builds one ``SamplingMetadata`` per step from the rows that sample (one row of the
+  logits per request), then calls ``Sampler()(logits, meta)``. The sampler never calls
+  ``.item()``/``.tolist()``: the runner does the single device->host copy of ``SamplerOutput``.
+- A seeded request's ``torch.Generator`` (CPU) is owned by the runner, seeded once with
+  ``params.seed`` and passed again every step; the sampler advances it by exactly one draw of
+  ``V`` exponentials per step in which the row samples randomly, so its tokens depend only on
+  its seed and its own history, never on the rest of the batch.
+- Logprobs are those of the RAW model logits (before bias, penalties, temperature), as vLLM
+  returns by default.
+
+Stage order (vLLM's): logit_bias -> min_tokens -> repetition / frequency / presence penalties
+-> greedy argmax | temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyserve.sampling_params import SamplingParams
+
+# q ~ Exp(1) may be exactly 0; a 0/0 would be NaN, which argmax treats as the maximum.
+_MIN_EXP_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: one request that samples this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set iff params.seed is not None; CPU generator
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step batched sampling state. Greedy rows carry neutral top_k/top_p/min_p values so
+    the random-path stages can be skipped by flag; ``temperature == 0`` marks them."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_p: torch.Tensor  # [B] float32, 1.0 = off
+    top_k: torch.Tensor  # [B] int64, V = off
+    min_p: torch.Tensor  # [B] float32, 0.0 = off
+    repetition_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    vocab_size: int
+    # Sparse (rows, token ids, values): a dense [B, V] bias would cost B*V floats for a handful
+    # of entries. Each (row, token) pair occurs at most once.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Sparse (rows, token ids) to set to -inf: EOS / stop tokens of rows below min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B, L] int64, padded with vocab_size; only rows that use them are filled.
+    prompt_token_ids: torch.Tensor | None = None  # rows with repetition_penalty != 1
+    output_token_ids: torch.Tensor | None = None  # rows with any penalty
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # random rows only
+    seeded_rows: torch.Tensor | None = None  # [num_seeded] int64, the keys of generators, in order
+    max_num_logprobs: int | None = None  # None: no row asked for logprobs
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        """``vocab_size`` is the width of the logits the sampler will get."""
+        if not rows:
+            raise ValueError("SamplingMetadata.build needs at least one row")
+        V = vocab_size
+        temperature, top_p, top_k, min_p = [], [], [], []
+        rep, freq, pres = [], [], []
+        bias_rows, bias_toks, bias_vals = [], [], []
+        mask_rows, mask_toks = [], []
+        prompts: list[list[int]] = []
+        outputs: list[list[int]] = []
+        generators: dict[int, torch.Generator] = {}
+        max_num_logprobs: int | None = None
+
+        for i, row in enumerate(rows):
+            p = row.params
+            is_greedy = p.temperature == 0.0
+            temperature.append(float(p.temperature))
+            top_p.append(1.0 if is_greedy else float(p.top_p))
+            top_k.append(V if is_greedy or p.top_k <= 0 else min(int(p.top_k), V))
+            min_p.append(0.0 if is_greedy else float(p.min_p))
+            rep.append(float(p.repetition_penalty))
+            freq.append(float(p.frequency_penalty))
+            pres.append(float(p.presence_penalty))
+            uses_rep = p.repetition_penalty != 1.0
+            uses_output = uses_rep or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            prompts.append(row.prompt_token_ids if uses_rep else [])
+            outputs.append(row.output_token_ids if uses_output else [])
+            for tok, val in (p.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_toks.append(int(tok))
+                bias_vals.append(float(val))
+            if len(row.output_token_ids) < p.min_tokens:
+                stop = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stop.update(row.eos_token_ids)
+                for tok in sorted(stop):
+                    mask_rows.append(i)
+                    mask_toks.append(tok)
+            if not is_greedy and row.generator is not None:
+                generators[i] = row.generator
+            if p.logprobs is not None:
+                max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
+
+        def f32(xs: list[float]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.float32, device=device)
+
+        def i64(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        no_penalties = all(r == 1.0 for r in rep) and not any(freq) and not any(pres)
+        return cls(
+            temperature=f32(temperature),
+            top_p=f32(top_p),
+            top_k=i64(top_k),
+            min_p=f32(min_p),
+            repetition_penalty=f32(rep),
+            frequency_penalty=f32(freq),
+            presence_penalty=f32(pres),
+            all_greedy=all(t == 0.0 for t in temperature),
+            all_random=all(t != 0.0 for t in temperature),
+            no_penalties=no_penalties,
+            no_top_k=all(k == V for k in top_k),
+            no_top_p=all(p == 1.0 for p in top_p),
+            no_min_p=not any(min_p),
+            vocab_size=V,
+            logit_bias=(i64(bias_rows), i64(bias_toks), f32(bias_vals)) if bias_rows else None,
+            min_tokens_mask=(i64(mask_rows), i64(mask_toks)) if mask_rows else None,
+            prompt_token_ids=None if no_penalties else _pad(prompts, V, device),
+            output_token_ids=None if no_penalties else _pad(outputs, V, device),
+            generators=generators,
+            seeded_rows=i64(list(generators)) if generators else None,
+            max_num_logprobs=max_num_logprobs,
+        )
+
+
+def _pad(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(s) for s in seqs))
+    return torch.tensor(
+        [s + [pad] * (width - len(s)) for s in seqs], dtype=torch.int64, device=device
+    )  # [B, L]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32, logprob of the sampled token
+    top_token_ids: torch.Tensor | None = None  # [B, k] int64, best first
+    top_logprobs: torch.Tensor | None = None  # [B, k] float32, descending
+
+
+class Sampler:
+    """Stateless; all per-request state arrives in ``SamplingMetadata``."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # A private fp32 copy: the stages below work in place.
+        logits = logits.to(torch.float32, copy=True)  # [B, V]
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+
+        logits = apply_logits_processors(logits, meta)
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy = None if meta.all_random else logits.argmax(dim=-1)
+            probs = compute_probs(logits, meta)
+            sampled = exponential_race(probs, meta)
+            if greedy is not None:
+                sampled = torch.where(meta.temperature == 0.0, greedy, sampled)
+
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            out.top_logprobs, out.top_token_ids = raw_logprobs.topk(
+                meta.max_num_logprobs, dim=-1, sorted=True
+            )
+        return out
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Bias, min_tokens and penalties, in place on fp32 ``logits`` [B, V]: what greedy rows
+    take the argmax of."""
+    if meta.logit_bias is not None:
+        rows, toks, vals = meta.logit_bias
+        logits.index_put_((rows, toks), vals, accumulate=True)
+    if meta.min_tokens_mask is not None:
+        rows, toks = meta.min_tokens_mask
+        logits[rows, toks] = float("-inf")
+    if not meta.no_penalties:
+        apply_penalties(logits, meta)
+    return logits
+
+
+def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] token ids padded with vocab_size -> [B, V] occurrence counts."""
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.int32, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.int32))
+    return counts[:, :vocab_size]  # [B, V]
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt or output, HF/vLLM form), then frequency and presence (output only)."""
+    V = meta.vocab_size
+    assert meta.prompt_token_ids is not None and meta.output_token_ids is not None
+    output_counts = _token_counts(meta.output_token_ids, V)  # [B, V]
+    output_seen = output_counts > 0  # [B, V]
+    seen = (_token_counts(meta.prompt_token_ids, V) > 0) | output_seen  # [B, V]
+    rep = meta.repetition_penalty.unsqueeze(1)  # [B, 1]
+    penalty = torch.where(seen, rep, 1.0)  # [B, V]
+    logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
+    logits -= meta.frequency_penalty.unsqueeze(1) * output_counts
+    logits -= meta.presence_penalty.unsqueeze(1) * output_seen
+    return logits
+
+
+def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p, softmax (in place on ``logits``). Greedy rows get
+    temperature 1 here; their result is discarded by the caller."""
+    temperature = torch.where(meta.temperature == 0.0, 1.0, meta.temperature)  # [B]
+    logits.div_(temperature.unsqueeze(1))
+    if not meta.no_min_p:
+        apply_min_p(logits, meta.min_p)
+    if not (meta.no_top_k and meta.no_top_p):
+        logits = apply_top_k_top_p(
+            logits,
+            None if meta.no_top_k else meta.top_k,
+            None if meta.no_top_p else meta.top_p,
+        )
+    return logits.softmax(dim=-1)  # [B, V]
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """One ascending sort serves both filters. top_k keeps ties with the k-th value; top_p
+    keeps the smallest top set whose mass is >= p, and always the top token."""
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [B, V]
+    V = logits.shape[-1]
+    if top_k is not None:
+        kth = logits_sort.gather(1, (V - top_k).unsqueeze(1))  # [B, 1]
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    if top_p is not None:
+        cum = logits_sort.softmax(dim=-1).cumsum_(dim=-1)  # [B, V] mass at or below each token
+        drop = cum <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, logits_idx, logits_sort)
+
+
+def exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): an exact draw from ``probs`` per row. Unseeded rows
+    share one batched draw; each seeded row draws V values from its own CPU generator."""
+    B, V = probs.shape
+    if meta.seeded_rows is None:
+        q = torch.empty_like(probs).exponential_()  # [B, V]
+    else:
+        draws = [torch.empty(V).exponential_(generator=g) for g in meta.generators.values()]
+        seeded_q = torch.stack(draws).to(probs.device)  # [num_seeded, V]
+        if len(draws) == B:
+            q = seeded_q
+        else:
+            q = torch.empty_like(probs).exponential_()
+            q[meta.seeded_rows] = seeded_q
+    q.clamp_min_(_MIN_EXP_NOISE)
+    return probs.div_(q).argmax(dim=-1)  # [B]

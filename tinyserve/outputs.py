@@ -69,10 +69,11 @@ class ModelRunnerOutput:
 class StepOutput:
     """What one step produced for one request, ready for the API layer."""
 
-    request_id: str
+    request_id: str  # the id given to add_request (the parent's, for n > 1)
     new_token_ids: list[int]
     text_delta: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
+    index: int = 0  # which of the n samples
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

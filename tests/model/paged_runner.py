@@ -1,0 +1,81 @@
+"""A minimal driver for our model through the paged KV cache, for parity tests.
+
+It plays the part of the scheduler and model runner (which these tests must not depend on):
+each sequence gets blocks from a shuffled pool, so block tables are non-contiguous, and a
+step is one flat forward over any mix of prefill chunks and decode rows.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.worker.kv_cache import allocate_kv_cache
+
+
+class PagedRunner:
+    def __init__(self, model, block_size: int, num_blocks: int = 256, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """``chunks``: (sequence id, its new token ids) in batch order. Returns, per chunk,
+        the float32 logits of every new token: [len(new tokens), vocab]."""
+        input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for seq, new in chunks:
+            start = self.num_computed.get(seq, 0)
+            end = start + len(new)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            input_ids += new
+            positions += range(start, end)
+            query_lens.append(len(new))
+            seq_lens.append(end)
+            tables.append(list(table))
+            self.num_computed[seq] = end
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            self.kv_caches,
+            meta,
+        )
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split(query_lens))
+
+    def prefill_then_decode(
+        self, tokens: list[int], prompt_len: int, seq: str = "s"
+    ) -> torch.Tensor:
+        """Teacher forcing: ``tokens[:prompt_len]`` in one chunk, then the rest one at a time.
+        Returns logits for every position: [len(tokens), vocab]."""
+        rows = [self.step([(seq, tokens[:prompt_len])])[0]]
+        for t in tokens[prompt_len:]:
+            rows.append(self.step([(seq, [t])])[0])
+        return torch.cat(rows)
+
+
+def greedy_generate(
+    model, prompt: list[int], max_new_tokens: int, block_size: int, eos: set[int]
+) -> list[int]:
+    """Greedy decoding through the paged cache; stops after the first EOS (included)."""
+    runner = PagedRunner(model, block_size, num_blocks=_cdiv(len(prompt) + max_new_tokens, block_size) + 4)
+    logits = runner.step([("g", prompt)])[0][-1]
+    out: list[int] = []
+    while True:
+        tok = int(logits.argmax())
+        out.append(tok)
+        if tok in eos or len(out) == max_new_tokens:
+            return out
+        logits = runner.step([("g", [tok])])[0][-1]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,70 @@
+"""EngineArgs: every knob of the engine in one place, shared by LLM(), `generate` and `serve`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from tinyserve.config import parse_size
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str = "1GiB"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "continuous"  # or "static" (gang), for the benchmarks
+    load_tokenizer: bool = True
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1 or mps")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window (default: the model's, capped by the KV cache)",
+    )
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)"
+    )
+    parser.add_argument(
+        "--kv-cache-memory", default=d.kv_cache_memory, help="KV cache budget, e.g. 2GiB"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
+    parser.add_argument(
+        "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
+    )

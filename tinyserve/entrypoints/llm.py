@@ -1,0 +1,119 @@
+"""The offline API, mirroring vLLM: ``LLM(model=...).generate(prompts, params)`` / ``.chat``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tinyserve.engine.arg_utils import EngineArgs
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run the prompts (strings or token-id lists) to completion, batched by the engine.
+        Results come back in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one or one each"
+            )
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            token_ids = self._encode(prompt)
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, token_ids, p)
+            order.append(rid)
+            results[rid] = RequestOutput(
+                request_id=rid,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=token_ids,
+                outputs=[
+                    CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None)
+                    for i in range(p.n)
+                ],
+                finished=False,
+            )
+        self._run(results, use_tqdm and len(prompts) > 1)
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with the assistant generation prompt) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        ids = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True
+        )
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _encode(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(results), desc="generating", unit="prompt")
+        pending = {rid: r.outputs for rid, r in results.items()}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                choice = results[out.request_id].outputs[out.index]
+                choice.token_ids.extend(out.new_token_ids)
+                choice.text += out.text_delta
+                if choice.logprobs is not None:
+                    choice.logprobs.extend(out.logprobs)
+                if out.finished:
+                    choice.finish_reason = out.finish_reason
+                    choice.stop_reason = out.stop_reason
+                    result = results[out.request_id]
+                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                    if all(c.finish_reason is not None for c in pending[out.request_id]):
+                        result.finished = True
+                        if bar is not None:
+                            bar.update(1)
+        if bar is not None:
+            bar.close()

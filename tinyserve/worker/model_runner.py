@@ -1,0 +1,115 @@
+"""The only place that builds tensors from requests: SchedulerOutput -> flat batch ->
+one forward -> sample -> one device->host copy -> ModelRunnerOutput."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from tinyserve.worker.kv_cache import allocate_kv_cache
+from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+
+
+class ModelRunner:
+    """Owns the model, the KV-cache tensors and the seeded generators of live requests."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, model.dtype, device)
+        self.sampler = Sampler()
+        # request_id -> CPU generator, seeded once with the request's seed.
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.generators.pop(rid, None)
+        if not sched.scheduled:
+            return ModelRunnerOutput()
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling: list = []  # (request, row)
+        for item in sched.scheduled:
+            req = item.request
+            start = req.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+            block_tables.append(item.block_ids)
+            if item.samples:
+                logits_indices.append(len(input_ids) - 1)
+                sampling.append(req)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, block_tables, self.block_size, self.device
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not sampling:
+            return ModelRunnerOutput()
+        idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
+        rows = [
+            SamplingRow(
+                params=req.sampling_params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                generator=self._generator(req),
+                eos_token_ids=req.eos_token_ids,
+            )
+            for req in sampling
+        ]
+        smeta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        out = self.sampler(logits, smeta)
+        return self._to_host(sampling, out)
+
+    def _generator(self, req) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(seed % (2**63))
+            self.generators[req.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _to_host(sampling: list, out) -> ModelRunnerOutput:
+        # The one device->host copy per step (plus the logprob tensors when asked for).
+        tokens = out.sampled_token_ids.tolist()
+        result = ModelRunnerOutput(
+            sampled_token_ids={req.request_id: t for req, t in zip(sampling, tokens, strict=True)}
+        )
+        if out.logprobs is not None:
+            lps = out.logprobs.tolist()
+            top_ids = out.top_token_ids.tolist()
+            top_lps = out.top_logprobs.tolist()
+            for i, req in enumerate(sampling):
+                k = req.sampling_params.logprobs
+                if k is None:
+                    continue
+                result.logprobs[req.request_id] = TokenLogprob(
+                    token_id=tokens[i],
+                    logprob=lps[i],
+                    top=list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)),
+                )
+        return result

@@ -10,55 +10,27 @@ import json
 import pytest
 import torch
 from paged_runner import PagedRunner
+from tiny_models import (
+    LLAMA3_ROPE,
+    VOCAB,
+    build_hf,
+    hf_logits,
+    llama_config,
+    qwen2_config,
+    random_tokens,
+    save_hf,
+)
 
 from tinyserve.models.loader import load_model
 
-VOCAB = 256
 PROMPT_LEN = 20
 DECODE_STEPS = 20
 BLOCK_SIZE = 4
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    # Larger than the default 0.02 so attention is peaked and RoPE (and its scaling) matter.
-    initializer_range=0.1,
-)
-
-
-def llama_config(**over):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**COMMON, "tie_word_embeddings": True, **over})
-
-
-def qwen2_config(**over):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**{**COMMON, "tie_word_embeddings": False, "rope_theta": 1e6, **over})
 
 
 def _save(tmp_path_factory, name, config):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1234)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    hf.eval()
-    path = tmp_path_factory.mktemp(name)
-    hf.save_pretrained(path, safe_serialization=True)
-    return path, hf
+    hf = build_hf(config)
+    return save_hf(hf, tmp_path_factory.mktemp(name)), hf
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +46,6 @@ def qwen2_ckpt(tmp_path_factory):
 @pytest.fixture(params=["llama", "qwen2"])
 def ckpt(request):
     return request.getfixturevalue(f"{request.param}_ckpt")
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
 
 
 def test_saved_checkpoints_have_the_features_under_test(llama_ckpt, qwen2_ckpt):
@@ -112,12 +75,10 @@ def test_saved_checkpoints_have_the_features_under_test(llama_ckpt, qwen2_ckpt):
 
 def test_llama3_scaling_matters_at_the_tested_positions(llama_ckpt):
     """Guards the parity test's power: without the llama3 schedule the logits would differ."""
-    from transformers import AutoModelForCausalLM
-
     _, hf = llama_ckpt
-    plain = AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+    plain = build_hf(llama_config())
     plain.load_state_dict(hf.state_dict())
-    tokens = _tokens(PROMPT_LEN + DECODE_STEPS, seed=5)
+    tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, seed=5)
     diff = (hf_logits(hf, tokens) - hf_logits(plain, tokens)).abs().amax(-1)
     assert diff[PROMPT_LEN:].min() > 1e-2, diff
 
@@ -126,7 +87,7 @@ def test_llama3_scaling_matters_at_the_tested_positions(llama_ckpt):
 def test_prefill_and_teacher_forced_decode_match_transformers(ckpt, seed):
     path, hf = ckpt
     ours, _ = load_model(path, dtype=torch.float32)
-    tokens = _tokens(PROMPT_LEN + DECODE_STEPS, seed)
+    tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, seed)
     expected = hf_logits(hf, tokens)
     runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=seed)
 
@@ -148,7 +109,7 @@ def test_batched_step_matches_each_sequence_alone(ckpt):
     it gets when run alone."""
     path, hf = ckpt
     ours, _ = load_model(path, dtype=torch.float32)
-    a, b, c = _tokens(19, 10), _tokens(11, 11), _tokens(10, 12)
+    a, b, c = random_tokens(19, 10), random_tokens(11, 11), random_tokens(9, 12)
     # Per sequence, the chunk it contributes to each step.
     plan = {
         "a": [a[:8], a[8:15], a[15:16], a[16:17], a[17:19]],
@@ -157,7 +118,7 @@ def test_batched_step_matches_each_sequence_alone(ckpt):
     }
     alone = {}
     for seq, chunks in plan.items():
-        runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=32, seed=hash(seq) % 97)
+        runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=32, seed=ord(seq))
         alone[seq] = [runner.step([(seq, ch)])[0] for ch in chunks]
 
     runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=99)

@@ -334,6 +334,17 @@ def map_checkpoint_name(name: str) -> tuple[str, str | None]:
     return name, None
 
 
+_SHARD_TO_CHECKPOINT = {shard: proj for proj, (_, shard) in STACKED_PARAMS.items()}
+
+
+def checkpoint_name(param: str, shard: str | None) -> str:
+    """Our (parameter, shard) -> the HF checkpoint tensor that fills it (for error messages)."""
+    if shard is None:
+        return param
+    prefix, fused, leaf = param.rsplit(".", 2)
+    return f"{prefix}.{_SHARD_TO_CHECKPOINT[shard]}.{leaf}"
+
+
 def load_weights(
     model: LlamaForCausalLM,
     tensors: Iterator[tuple[str, torch.Tensor, str]],
@@ -374,7 +385,7 @@ def load_weights(
             )
         dest.copy_(tensor)
         loaded.add((target, shard))
-    missing = sorted(f"{p}[{s}]" if s else p for p, s in needed - loaded)
+    missing = sorted(checkpoint_name(p, s) for p, s in needed - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""

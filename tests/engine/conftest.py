@@ -1,0 +1,217 @@
+"""Fixtures and helpers for the engine acceptance tests (CPU, fp32).
+
+Engines are cheap to build here: the model weights and the tokenizer are loaded once per
+process and shared by every engine built with :func:`build_engine` / :func:`build_llm`
+(the model is only ever used for inference, so sharing it is safe). Each engine still gets
+its own KV cache, scheduler and runner.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from unittest import mock
+
+import pytest
+import torch
+
+from tinyserve.engine.arg_utils import EngineArgs
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.sampling_params import SamplingParams
+
+os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
+
+TINY_VOCAB = 256
+
+_models: dict[tuple, tuple] = {}
+_tokenizers: dict[str, object] = {}
+
+
+@contextmanager
+def _shared_weights():
+    from tinyserve.models import loader
+
+    real_load_model, real_load_tokenizer = loader.load_model, loader.load_tokenizer
+
+    def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None):
+        key = (str(model), dtype, str(device), max_position)
+        if key not in _models:
+            _models[key] = real_load_model(model, dtype, device, max_position=max_position)
+        return _models[key]
+
+    def load_tokenizer(source):
+        key = str(source.path)
+        if key not in _tokenizers:
+            _tokenizers[key] = real_load_tokenizer(source)
+        return _tokenizers[key]
+
+    with (
+        mock.patch.object(loader, "load_model", load_model),
+        mock.patch.object(loader, "load_tokenizer", load_tokenizer),
+    ):
+        yield
+
+
+def build_engine(**kwargs) -> LLMEngine:
+    """``LLMEngine(EngineArgs(dtype="float32", device="cpu", **kwargs))`` with shared weights."""
+    kwargs = {"dtype": "float32", "device": "cpu", **kwargs}
+    with _shared_weights():
+        return LLMEngine(EngineArgs(**kwargs))
+
+
+def build_llm(**kwargs):
+    """``LLM(dtype="float32", **kwargs)`` with shared weights."""
+    from tinyserve.entrypoints.llm import LLM
+
+    kwargs = {"dtype": "float32", "device": "cpu", **kwargs}
+    with _shared_weights():
+        return LLM(**kwargs)
+
+
+# ---------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def smol_path(smollm2_gguf_path) -> str:
+    return str(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory) -> str:
+    """A tiny random Qwen2 (q/k/v bias, GQA, untied head) written by transformers."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        # Larger than the default 0.02: peaked logits, so greedy never sits on a near-tie.
+        initializer_range=0.25,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(20240501)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    hf.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_hf(tiny_qwen2_path):
+    """The same checkpoint as a transformers model: an independent dense reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smol_path) -> LLMEngine:
+    """The SmolLM2 engine most tests share: block 16, 256 blocks, prefix caching on."""
+    return build_engine(
+        model=smol_path, num_blocks=256, block_size=16, max_num_batched_tokens=512
+    )
+
+
+def tiny_engine(path: str, **kwargs) -> LLMEngine:
+    kwargs = {"num_blocks": 256, "block_size": 4, "load_tokenizer": False, **kwargs}
+    return build_engine(model=path, **kwargs)
+
+
+def random_prompt(n: int, seed: int, vocab: int = TINY_VOCAB) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+# ---------------------------------------------------------------- driving the engine
+
+
+@dataclass
+class Choice:
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
+class Collector:
+    """Accumulates StepOutputs per (request id, choice index)."""
+
+    def __init__(self) -> None:
+        self.choices: dict[str, dict[int, Choice]] = {}
+
+    def feed(self, outputs) -> None:
+        for out in outputs:
+            c = self.choices.setdefault(out.request_id, {}).setdefault(out.index, Choice())
+            assert c.finish_reason is None, f"{out.request_id}: output after it finished"
+            c.token_ids.extend(out.new_token_ids)
+            if out.text_delta:
+                c.deltas.append(out.text_delta)
+            c.logprobs.extend(out.logprobs)
+            if out.finished:
+                c.finish_reason = out.finish_reason
+                c.stop_reason = out.stop_reason
+                c.num_cached_tokens = out.num_cached_tokens
+                c.error = out.error
+
+    def __getitem__(self, request_id: str) -> Choice:
+        return self.choices[request_id][0]
+
+
+def drain(engine: LLMEngine, collector: Collector | None = None, max_steps: int = 5000):
+    """Step until the engine has nothing left; returns the collector."""
+    collector = collector or Collector()
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return collector
+        collector.feed(engine.step())
+    raise AssertionError(f"engine did not finish within {max_steps} steps")
+
+
+def run_batch(engine: LLMEngine, requests) -> Collector:
+    """``requests``: (request_id, prompt_token_ids, SamplingParams); all added, then drained."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    return drain(engine)
+
+
+def run_alone(engine: LLMEngine, requests) -> Collector:
+    """Each request on its own, one after the other, on an otherwise idle engine."""
+    collector = Collector()
+    for rid, prompt, params in requests:
+        assert not engine.has_unfinished()
+        engine.add_request(rid, prompt, params)
+        drain(engine, collector)
+    return collector
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Nothing of any request is left anywhere once the engine is idle."""
+    assert not engine.has_unfinished()
+    sched, kv = engine.scheduler, engine.kv_cache_manager
+    assert not sched.requests and not sched.running and not sched.waiting
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert all(b.ref_count == 0 for b in kv.blocks)
+    assert not kv.req_to_blocks and not kv._req_to_chain
+    assert not engine._detokenizers and not engine._children and not engine._parent
+    # The runner drops per-request state at the step after a request leaves.
+    assert engine.step() == []
+    assert not engine.runner.generators

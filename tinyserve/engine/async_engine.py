@@ -1,0 +1,380 @@
+"""AsyncEngine: the asyncio front of the synchronous LLMEngine, with ONE engine thread.
+
+Threads and ownership:
+
+* The event-loop thread calls ``add_request`` / ``generate`` / ``abort``. It never touches the
+  scheduler or the model: it validates (``LLMEngine.validate_request`` is read-only), then puts
+  an add/abort command on a thread-safe inbox and sets the wake-up event.
+* The engine thread is the only caller of ``LLMEngine.add_request / abort / step / stats``. It
+  drains the inbox at every step boundary, runs ``step()`` while there is work and sleeps on
+  the event when idle. Each step's outputs go back to the loop in one
+  ``loop.call_soon_threadsafe`` call, into each request's own ``asyncio.Queue``.
+* A consumer that stops early (client disconnect, cancelled task) aborts its request; the
+  engine thread applies the abort before the next step, which frees the request's blocks.
+* An exception escaping ``step()`` kills the engine thread: every pending request gets an
+  ``EngineDeadError`` and ``is_healthy`` turns False; new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tinyserve.engine.llm_engine import EngineStats, LLMEngine
+from tinyserve.outputs import StepOutput
+from tinyserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served any more."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queued_requests``; the client should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """An internal failure of one request (``finish_reason == "error"``)."""
+
+
+@dataclass
+class RequestTiming:
+    """Per-request timing (``time.monotonic()`` seconds), for metrics and the finish log."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+class RequestStatsListener(Protocol):
+    """Receives timing events on the event-loop thread (the metrics module implements it)."""
+
+    def observe_ttft(self, seconds: float) -> None: ...
+
+    def observe_inter_token_latency(self, seconds: float) -> None: ...
+
+    def observe_finished(self, timing: RequestTiming) -> None: ...
+
+
+@dataclass
+class _RequestState:
+    """Loop-side bookkeeping of one request (all its n samples)."""
+
+    queue: asyncio.Queue
+    n: int
+    timing: RequestTiming
+    num_finished: int = 0
+    last_token_time: dict[int, float] = field(default_factory=dict)
+    output_tokens: dict[int, int] = field(default_factory=dict)
+
+
+_END = object()  # queue sentinel: every sample of the request has finished
+
+
+class RequestStream:
+    """Async iterator over one request's StepOutputs (all n samples, tagged by ``index``).
+
+    Ends after the last sample's finishing output. Stopping early (``aclose``, cancellation,
+    breaking out of ``async for`` followed by ``abort``) aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, state: _RequestState) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._state = state
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._state.queue.get()
+        except BaseException:  # cancelled while waiting: the client is gone
+            self.abort()
+            raise
+        if item is _END:
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished. Idempotent, never raises."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and the one thread that steps it. See the module docstring."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int = 256,
+        stats_listener: RequestStatsListener | None = None,
+    ) -> None:
+        if max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.stats_listener = stats_listener
+        self.max_num_seqs = int(getattr(getattr(engine, "scheduler_config", None), "max_num_seqs", 1))
+        self._inbox: collections.deque[tuple] = collections.deque()  # append/popleft are atomic
+        self._wakeup = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._requests: dict[str, _RequestState] = {}  # loop thread only
+        self._num_seqs_in_flight = 0  # loop thread only: sum of n over _requests
+        self._dead: BaseException | None = None
+        self._stats: EngineStats = engine.stats()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tinyserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step. Pending requests get EngineDeadError."""
+        self._stop = True
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
+
+    # -- the loop-thread API ------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last step boundary (a snapshot; safe from any thread)."""
+        return self._stats
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate_request(prompt_token_ids, params)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Validate and enqueue a request; raises at once (before anything streams):
+        ValueError for bad input, QueueFullError, EngineDeadError."""
+        if self._loop is None:
+            raise EngineDeadError("the engine is not started")
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine has stopped ({self.dead_reason or 'shut down'})")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.validate_request(prompt_token_ids, params)
+        # Up to max_num_seqs sequences run; beyond that at most max_queued_requests wait.
+        waiting = max(0, self._num_seqs_in_flight + params.n - self.max_num_seqs)
+        if waiting > self.max_queued_requests:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_queued_requests} requests); retry later"
+            )
+        now = time.monotonic()
+        state = _RequestState(
+            queue=asyncio.Queue(),
+            n=params.n,
+            timing=RequestTiming(request_id, now, num_prompt_tokens=len(prompt_token_ids)),
+        )
+        self._requests[request_id] = state
+        self._num_seqs_in_flight += params.n
+        self._inbox.append(("add", request_id, list(prompt_token_ids), params, now))
+        self._wakeup.set()
+        return RequestStream(self, request_id, state)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """Stream a request's outputs. Errors in the input raise on the first ``__anext__``;
+        a consumer that stops early (GeneratorExit / CancelledError) aborts the request."""
+        stream = self.add_request(request_id, prompt_token_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from the loop thread; its blocks are freed at the next step boundary."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        self._num_seqs_in_flight -= state.n
+        self._finish_timing(state, "abort")
+        state.queue.put_nowait(_END)
+        self._inbox.append(("abort", request_id))
+        self._wakeup.set()
+
+    # -- loop-side delivery ---------------------------------------------------------------------
+
+    def _deliver(self, now: float, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None:  # aborted while the step ran
+                continue
+            self._record(state, out, now)
+            state.queue.put_nowait(out)
+            if out.finished:
+                state.num_finished += 1
+                if state.num_finished >= state.n:
+                    del self._requests[out.request_id]
+                    self._num_seqs_in_flight -= state.n
+                    reason = "error" if out.finish_reason == "error" else out.finish_reason
+                    self._finish_timing(state, reason)
+                    state.queue.put_nowait(_END)
+
+    def _record(self, state: _RequestState, out: StepOutput, now: float) -> None:
+        timing = state.timing
+        timing.num_prompt_tokens = out.num_prompt_tokens or timing.num_prompt_tokens
+        timing.num_cached_tokens = max(timing.num_cached_tokens, out.num_cached_tokens)
+        if not out.new_token_ids:
+            return
+        state.output_tokens[out.index] = out.num_output_tokens
+        listener = self.stats_listener
+        if timing.first_token_time is None:
+            timing.first_token_time = now
+            if listener is not None:
+                listener.observe_ttft(now - timing.arrival_time)
+        last = state.last_token_time.get(out.index)
+        if last is not None and listener is not None:
+            listener.observe_inter_token_latency(now - last)
+        state.last_token_time[out.index] = now
+
+    def _finish_timing(self, state: _RequestState, reason: str | None) -> None:
+        timing = state.timing
+        timing.finished_time = time.monotonic()
+        timing.finish_reason = reason
+        timing.num_output_tokens = sum(state.output_tokens.values())
+        ttft = timing.ttft
+        logger.info(
+            "request %s finished (%s): prompt %d tokens, output %d tokens, TTFT %s, total %.3fs",
+            timing.request_id,
+            reason,
+            timing.num_prompt_tokens,
+            timing.num_output_tokens,
+            "-" if ttft is None else f"{ttft:.3f}s",
+            timing.e2e or 0.0,
+        )
+        if self.stats_listener is not None:
+            self.stats_listener.observe_finished(timing)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self._num_seqs_in_flight -= state.n
+            self._finish_timing(state, "error")
+            state.queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in self._requests.values():
+            state.queue.put_nowait(error)
+        self._requests.clear()
+        self._num_seqs_in_flight = 0
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _call_in_loop(self, fn: Callable, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed under us (shutdown)
+            pass
+
+    def _drain_inbox(self) -> None:
+        engine = self.engine
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            if cmd[0] == "add":
+                _, rid, prompt, params, arrival = cmd
+                try:
+                    engine.add_request(rid, prompt, params, arrival_time=arrival)
+                except ValueError as e:  # validated on the loop side; only a race gets here
+                    self._call_in_loop(self._fail_request, rid, RequestFailedError(str(e)))
+            else:
+                engine.abort(cmd[1])
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._wakeup.clear()
+                self._drain_inbox()
+                if not engine.has_unfinished():
+                    self._stats = engine.stats()
+                    self._wakeup.wait()  # idle: sleep until add/abort/shutdown sets the event
+                    continue
+                outputs = engine.step()
+                now = time.monotonic()
+                self._stats = engine.stats()
+                if outputs:
+                    self._call_in_loop(self._deliver, now, outputs)
+        except BaseException as e:  # noqa: BLE001 - any escape kills the engine; report it
+            logger.exception("engine thread died; failing every pending request")
+            self._dead = e
+            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine has stopped: {e}"))
+            return
+        self._dead = self._dead or EngineDeadError("the engine was shut down")
+        self._call_in_loop(self._fail_all, EngineDeadError("the engine was shut down"))

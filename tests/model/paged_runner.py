@@ -66,7 +66,9 @@ def greedy_generate(
     model, prompt: list[int], max_new_tokens: int, block_size: int, eos: set[int]
 ) -> list[int]:
     """Greedy decoding through the paged cache; stops after the first EOS (included)."""
-    runner = PagedRunner(model, block_size, num_blocks=_cdiv(len(prompt) + max_new_tokens, block_size) + 4)
+    runner = PagedRunner(
+        model, block_size, num_blocks=_cdiv(len(prompt) + max_new_tokens, block_size) + 4
+    )
     logits = runner.step([("g", prompt)])[0][-1]
     out: list[int] = []
     while True:

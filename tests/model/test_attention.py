@@ -59,7 +59,11 @@ def _run_case(
     v_cache = (torch.randn(shape, generator=gen) * 50).to(dtype)
 
     # Earlier steps wrote the cached prefixes.
-    prefix = [(sl - ql, sl - ql, t) for ql, sl, t in zip(query_lens, seq_lens, tables, strict=True) if sl > ql]
+    prefix = [
+        (sl - ql, sl - ql, t)
+        for ql, sl, t in zip(query_lens, seq_lens, tables, strict=True)
+        if sl > ql
+    ]
     if prefix:
         pre_meta = AttentionMetadata.build(
             [p[0] for p in prefix], [p[1] for p in prefix], [p[2] for p in prefix], block_size

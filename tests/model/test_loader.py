@@ -56,9 +56,7 @@ def test_sharded_checkpoint_loads_like_single_file(llama_hf, llama_dir, tmp_path
 
     single, _ = load_model(llama_dir, dtype=torch.float32)
     ours, _ = load_model(sharded, dtype=torch.float32)
-    for (name, p1), (_, p2) in zip(
-        single.named_parameters(), ours.named_parameters(), strict=True
-    ):
+    for (name, p1), (_, p2) in zip(single.named_parameters(), ours.named_parameters(), strict=True):
         assert torch.equal(p1, p2), name
     expected = our_logits(single)
     assert torch.equal(our_logits(ours), expected)

@@ -43,6 +43,14 @@ def build_hf(config, seed: int = 1234):
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    # transformers initialises biases to 0 and norm weights to 1: randomise them so that a
+    # dropped bias or a misplaced norm weight changes the logits.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
     return hf.eval()
 
 

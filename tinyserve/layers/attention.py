@@ -33,6 +33,7 @@ class AttentionGroup:
     token_index: torch.Tensor  # [num_seqs, max_query_len] rows of the flat batch (0 for padding)
     valid: torch.Tensor  # [num_seqs, max_query_len] bool, False for padding
     out_rows: torch.Tensor  # [num_valid] flat rows, in token_index[valid] order
+    valid_index: torch.Tensor  # [num_valid] positions of the valid entries in valid.view(-1)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] (0 for padding; masked out)
     attn_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool
     is_decode: bool
@@ -126,6 +127,7 @@ def _build_group(
         token_index=token_index.to(device),
         valid=valid.to(device),
         out_rows=out_rows.to(device),
+        valid_index=valid.view(-1).nonzero().squeeze(1).to(device),
         block_tables=tables.to(device),
         attn_mask=attn_mask.unsqueeze(1).to(device),
         is_decode=max_q == 1,
@@ -154,16 +156,27 @@ def paged_attention(
     """Production path: one SDPA call per group, no loop over sequences.
     The step's K/V must already be in the cache (:func:`write_kv_cache`)."""
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    # index_select rather than advanced indexing: same result, but aten::index is ~100x
+    # slower on CPU when its worker threads compete with other processes.
     for g in meta.groups:
         n, max_blocks = g.block_tables.shape
-        qg = q[g.token_index].transpose(1, 2)  # [n, num_heads, max_q, head_dim]
-        kg = k_cache[g.block_tables].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vg = v_cache[g.block_tables].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        max_q = g.token_index.shape[1]
+        qg = q.index_select(0, g.token_index.view(-1)).view(n, max_q, num_heads, head_dim)
+        flat_tables = g.block_tables.view(-1)
+        kg = k_cache.index_select(0, flat_tables).view(n, -1, num_kv_heads, head_dim)
+        vg = v_cache.index_select(0, flat_tables).view(n, -1, num_kv_heads, head_dim)
         og = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.attn_mask, scale=scale, enable_gqa=True
+            qg.transpose(1, 2),  # [n, num_heads, max_q, head_dim]
+            kg.transpose(1, 2),  # [n, num_kv_heads, max_blocks * block_size, head_dim]
+            vg.transpose(1, 2),
+            attn_mask=g.attn_mask,
+            scale=scale,
+            enable_gqa=True,
         )  # [n, num_heads, max_q, head_dim]
-        out[g.out_rows] = og.transpose(1, 2)[g.valid]
+        og = og.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+        out.index_copy_(0, g.out_rows, og.index_select(0, g.valid_index))
     return out
 
 

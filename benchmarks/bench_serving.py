@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Load test for any OpenAI-compatible server (ours or a peer), asyncio + httpx.
+
+Every request streams with ``stream_options.include_usage``. Metrics follow vLLM's
+benchmark definitions:
+  TTFT  time from sending to the first chunk that carries content
+  ITL   gaps between consecutive content chunks
+  TPOT  (e2e - TTFT) / (output_tokens - 1), output tokens from the usage chunk
+  e2e   time from sending to the end of the stream
+
+Examples:
+  python benchmarks/bench_serving.py --workload mixed --num-requests 64 --concurrency 8
+  python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --request-rate 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+_WORDS = (
+    "the quick brown fox jumps over lazy dog river mountain city light shadow music paper "
+    "garden window ocean forest engine signal number letter story market winter summer "
+    "morning evening bridge island planet teacher student science history language memory "
+    "machine network kernel compiler protocol battery circuit harbor desert valley thunder"
+).split()
+_TOPICS = [
+    "the water cycle",
+    "how a bicycle works",
+    "the history of tea",
+    "why the sky is blue",
+    "volcanoes",
+    "the moon landing",
+    "photosynthesis",
+    "how vaccines work",
+    "black holes",
+    "the printing press",
+    "honey bees",
+    "rainbows",
+    "the Roman empire",
+    "electric cars",
+    "coffee",
+    "chess openings",
+    "the internet",
+    "glaciers",
+    "octopuses",
+    "jazz music",
+]
+_ASKS = [
+    "Explain {t} in a few sentences.",
+    "Write a short poem about {t}.",
+    "Give three facts about {t}.",
+    "What should a child know about {t}?",
+    "Summarize {t} for a busy reader.",
+    "Tell a very short story involving {t}.",
+]
+
+
+@dataclass
+class BenchRequest:
+    messages: list[dict]
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def _filler(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+def make_workload(name: str, num_requests: int, seed: int) -> list[BenchRequest]:
+    """Deterministic request sets: the same (name, n, seed) always gives the same requests."""
+    rng = random.Random(seed)
+    reqs: list[BenchRequest] = []
+    if name == "mixed":
+        for _ in range(num_requests):
+            text = rng.choice(_ASKS).format(t=rng.choice(_TOPICS))
+            r = rng.random()  # high-variance output lengths in 16..256
+            if r < 0.5:
+                mt = rng.randint(16, 32)
+            elif r < 0.8:
+                mt = rng.randint(64, 128)
+            else:
+                mt = rng.randint(192, 256)
+            reqs.append(BenchRequest([{"role": "user", "content": text}], text, mt))
+    elif name == "shared_prefix":
+        system = "You are a careful assistant. Background notes: " + _filler(
+            random.Random(1234), 330
+        )
+        for _ in range(num_requests):
+            q = rng.choice(_ASKS).format(t=rng.choice(_TOPICS))
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            reqs.append(BenchRequest(msgs, system + "\n" + q, 32))
+    elif name == "long_prompt":
+        for _ in range(num_requests):
+            text = "Summarize these notes: " + _filler(rng, 1250)
+            reqs.append(BenchRequest([{"role": "user", "content": text}], text, 32))
+    else:
+        raise ValueError(f"unknown workload {name!r}: use mixed, shared_prefix or long_prompt")
+    return reqs
+
+
+async def _one(client: httpx.AsyncClient, args, model: str, req: BenchRequest) -> RequestResult:
+    body: dict = {
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    if args.endpoint == "chat":
+        url = "/v1/chat/completions"
+        body["messages"] = req.messages
+    else:
+        url = "/v1/completions"
+        body["prompt"] = req.prompt
+    res = RequestResult(ok=False)
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage") and not chunk.get("choices"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    continue
+                choices = chunk.get("choices") or []
+                has_content = any(
+                    (c.get("delta") or {}).get("content") or c.get("text") for c in choices
+                )
+                if not has_content:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = res.output_tokens > 0
+        if not res.ok:
+            res.error = "no usage chunk / no output"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _stats(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "median": None, "p99": None}
+    s = sorted(xs)
+    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+    return {"mean": statistics.fmean(s), "median": statistics.median(s), "p99": p99}
+
+
+async def run_benchmark(args) -> dict:
+    reqs = make_workload(args.workload, args.num_requests, args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=max(64, args.concurrency or 64))
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=httpx.Timeout(600.0), limits=limits
+    ) as client:
+        model = args.model
+        if model is None:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        bar = None
+        if not args.no_progress:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(reqs), desc=f"{args.workload}", unit="req", file=sys.stderr)
+            except ImportError:
+                bar = None
+        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        rng = random.Random(args.seed + 1)
+
+        async def guarded(r: BenchRequest) -> RequestResult:
+            if sem is None:
+                out = await _one(client, args, model, r)
+            else:
+                async with sem:
+                    out = await _one(client, args, model, r)
+            if bar is not None:
+                bar.update(1)
+            return out
+
+        start = time.perf_counter()
+        tasks = []
+        for r in reqs:
+            tasks.append(asyncio.create_task(guarded(r)))
+            if args.request_rate:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+    good = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in good)
+    prompt_tokens = sum(r.prompt_tokens for r in good)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    summary = {
+        "base_url": args.base_url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "workload": args.workload,
+        "num_requests": len(reqs),
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "label": args.label,
+        "duration_s": duration,
+        "completed": len(good),
+        "failed": len(results) - len(good),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "request_throughput": len(good) / duration,
+        "output_tok_s": out_tokens / duration,
+        "total_tok_s": (out_tokens + prompt_tokens) / duration,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "ttft_s": _stats([r.ttft for r in good]),
+        "tpot_s": _stats(tpots),
+        "itl_s": _stats([x for r in good for x in r.itl]),
+        "e2e_s": _stats([r.e2e for r in good]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
+    print(
+        f"== {s['label'] or s['base_url']} | {s['workload']} | {s['endpoint']} | "
+        f"concurrency={s['concurrency']} rate={s['request_rate']}"
+    )
+    print(
+        f"completed {s['completed']}/{s['num_requests']} in {s['duration_s']:.1f}s, failed {s['failed']}"
+    )
+    print(
+        f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_tok_s']:.1f} tok/s, "
+        f"total {s['total_tok_s']:.1f} tok/s"
+    )
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        st = s[key]
+        print(
+            f"{key[:-2].upper():>5} ms: mean {ms(st['mean'])}  median {ms(st['median'])}  p99 {ms(st['p99'])}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8321")
+    p.add_argument("--model", default=None, help="default: the first id from /v1/models")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--workload", choices=["mixed", "shared_prefix", "long_prompt"], default="mixed")
+    p.add_argument("--num-requests", type=int, default=64)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--concurrency", type=int, default=None)
+    g.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, req/s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default=None, help="write the JSON summary here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.concurrency and not args.request_rate:
+        args.concurrency = 1
+    summary = asyncio.run(run_benchmark(args))
+    print_summary(summary)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -156,7 +156,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.stats_listener = stats_listener
-        self.max_num_seqs = int(getattr(getattr(engine, "scheduler_config", None), "max_num_seqs", 1))
+        self.max_num_seqs = int(
+            getattr(getattr(engine, "scheduler_config", None), "max_num_seqs", 1)
+        )
         self._inbox: collections.deque[tuple] = collections.deque()  # append/popleft are atomic
         self._wakeup = threading.Event()
         self._stop = False

@@ -47,9 +47,14 @@ class LLM:
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         for prompt, p in zip(prompts, params, strict=True):
-            token_ids = self._encode(prompt)
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, token_ids, p)
+            try:
+                token_ids = self._encode(prompt)
+                self.engine.add_request(rid, token_ids, p)
+            except Exception:
+                for added in order:  # all or nothing: don't leave the earlier prompts queued
+                    self.engine.abort(added)
+                raise
             order.append(rid)
             results[rid] = RequestOutput(
                 request_id=rid,

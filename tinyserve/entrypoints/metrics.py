@@ -66,7 +66,9 @@ class _EngineStatsCollector(Collector):
             "engine_healthy", "1 while the engine thread is alive.", float(self._engine.is_healthy)
         )
         yield counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
         )
         yield counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits

@@ -7,10 +7,16 @@ server and the offline API give the same messages.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from tinyserve.engine.async_engine import EngineDeadError, QueueFullError
+from tinyserve.outputs import TokenLogprob
 
 
 class _Request(BaseModel):
@@ -33,6 +39,56 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class OpenAIError(Exception):
+    """An error with its HTTP status and the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return {"error": info.model_dump()}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_PARAM_RE = re.compile(r"^([a-z_]+)\b")
+_PARAM_NAMES = {
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "tokens",
+}  # fmt: skip
+
+
+def bad_request(e: Exception | str, param: str | None = None) -> OpenAIError:
+    message = str(e)
+    if param is None:
+        m = _PARAM_RE.match(message)
+        param = m.group(1) if m and m.group(1) in _PARAM_NAMES else None
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+def engine_error(e: Exception) -> OpenAIError:
+    if isinstance(e, QueueFullError):
+        return OpenAIError(
+            429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        )
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
+    return OpenAIError(500, f"internal error: {e}", "internal_error", code="internal_error")
 
 
 # -- shared request fields ---------------------------------------------------------------------
@@ -83,9 +139,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(
-        None, description="Deprecated alias of max_completion_tokens"
-    )
+    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(
         None, description="Default: whatever room the context window leaves (as vLLM)"
     )
@@ -171,6 +225,50 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+
+
+# -- logprobs objects -------------------------------------------------------------------------
+
+
+def chat_logprobs(lps: list[TokenLogprob], token_str: Callable[[int], str]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        s = token_str(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]
+    }
+
+
+def completion_logprobs(
+    lps: list[TokenLogprob],
+    token_str: Callable[[int], str],
+    offset: int,
+    prompt_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset`` is the text offset of the first
+    token. Echoed prompt tokens (``prompt_ids``) come first, with null logprobs (not computed)."""
+    out: dict[str, list] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
+    entries = [(t, None, None) for t in prompt_ids or []]
+    entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps]
+    for token_id, logprob, top in entries:
+        s = token_str(token_id)
+        out["text_offset"].append(offset)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(None if top is None else {token_str(t): v for t, v in top})
+        offset += len(s)
+    return out
 
 
 # -- models, tokenize ----------------------------------------------------------------------------

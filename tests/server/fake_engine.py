@@ -1,0 +1,137 @@
+"""A stand-in for LLMEngine with the same API, no model: fast tests of the async engine and
+of failure paths (429, a dead engine thread, one request failing) that a real model cannot
+be made to produce on demand."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from tinyserve.engine.llm_engine import EngineStats
+from tinyserve.outputs import StepOutput
+from tinyserve.sampling_params import SamplingParams
+
+FAIL_TOKEN = 13  # a prompt holding this token id fails with finish_reason "error"
+
+
+@dataclass
+class _Seq:
+    parent: str
+    index: int
+    num_prompt_tokens: int
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    fail: bool = False
+
+
+class FakeEngine:
+    """Emits token ``100 + k`` with text ``"t{k} "`` for the k-th output token of a request.
+
+    ``step_delay`` seconds per step; ``explode = True`` makes the next ``step()`` raise
+    (kills the engine thread). Counts calls so tests can see the thread sleeping when idle.
+    """
+
+    def __init__(
+        self,
+        tokenizer=None,
+        max_num_seqs: int = 4,
+        step_delay: float = 0.0,
+        vocab_size: int = 49152,
+        max_model_len: int = 512,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
+        self.source = SimpleNamespace(name="fake-model", path="/fake")
+        self.kv_capacity_tokens = 1024
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.explode = False
+        self.seqs: dict[str, _Seq] = {}
+        self.aborted: list[str] = []
+        self.num_steps = 0
+        self.num_has_unfinished_calls = 0
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        for t in prompt_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt: token id {t!r} is outside [0, {self.vocab_size})")
+        params.validate_for_model(self.vocab_size)
+        n = len(prompt_token_ids)
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context window of {self.max_model_len} tokens"
+            )
+
+    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None) -> None:
+        self.validate_request(prompt_token_ids, params)
+        n = len(prompt_token_ids)
+        max_tokens = params.max_tokens or self.max_model_len - n
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            self.seqs[rid] = _Seq(request_id, i, n, max_tokens, fail=FAIL_TOKEN in prompt_token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        ids = [rid for rid, s in self.seqs.items() if s.parent == request_id]
+        for rid in ids:
+            del self.seqs[rid]
+        self.aborted.append(request_id)
+        return bool(ids)
+
+    def has_unfinished(self) -> bool:
+        self.num_has_unfinished_calls += 1
+        return bool(self.seqs)
+
+    @property
+    def running(self) -> list[str]:
+        return list(self.seqs)[: self.scheduler_config.max_num_seqs]
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if self.explode:
+            raise RuntimeError("the fake engine exploded")
+        outputs = []
+        for rid in self.running:
+            s = self.seqs[rid]
+            if s.fail:
+                del self.seqs[rid]
+                outputs.append(StepOutput(s.parent, [], "", "error", s.index, error="fake failure"))
+                continue
+            k = len(s.tokens)
+            s.tokens.append(100 + k)
+            done = len(s.tokens) >= s.max_tokens
+            if done:
+                del self.seqs[rid]
+            outputs.append(
+                StepOutput(
+                    s.parent,
+                    [100 + k],
+                    f"t{k} ",
+                    "length" if done else None,
+                    s.index,
+                    num_prompt_tokens=s.num_prompt_tokens,
+                    num_output_tokens=len(s.tokens),
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        running = len(self.running)
+        return EngineStats(
+            num_running=running,
+            num_waiting=len(self.seqs) - running,
+            kv_cache_usage=running / 64,
+            num_free_blocks=64 - running,
+            num_total_blocks=64,
+            num_preemptions=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+        )

@@ -1,0 +1,82 @@
+"""Many clients at once, and clients that go away mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from conftest import MODEL, wait_until
+
+MAX_TOKENS = 8
+
+
+async def _one_stream(client: httpx.AsyncClient, i: int) -> tuple[int, int, str]:
+    body = {
+        "model": MODEL, "prompt": f"Story number {i}:", "max_tokens": MAX_TOKENS,
+        "ignore_eos": True, "logprobs": 0, "temperature": 0.5, "seed": i, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    tokens, usage, finish = 0, None, None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                choice = chunk["choices"][0]
+                tokens += len(choice["logprobs"]["tokens"])
+                finish = choice["finish_reason"] or finish
+            else:
+                usage = chunk["usage"]["completion_tokens"]
+    return tokens, usage, finish
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams(server):
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(_one_stream(c, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert results == [(MAX_TOKENS, MAX_TOKENS, "length")] * 32
+    assert wait_until(lambda: server.async_engine.stats().num_running == 0)
+
+
+def _pool_is_whole(server) -> bool:
+    s = server.async_engine.stats()
+    return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_disconnect_after_3_chunks_aborts_and_frees_blocks(server, client, path):
+    body = {"model": MODEL, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Tell me a long story."}]
+    else:
+        body["prompt"] = "Once upon a time"
+    with client.stream("POST", path, json=body) as r:
+        seen = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(line)
+                if len(seen) == 3:
+                    break
+        assert server.async_engine.stats().num_running == 1, seen
+    t0 = time.monotonic()
+    assert wait_until(lambda: _pool_is_whole(server), timeout=2.0), server.async_engine.stats()
+    assert time.monotonic() - t0 < 2.0
+    assert server.async_engine.num_requests_in_flight == 0
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_non_streamed_client_timeout_aborts(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json=body, timeout=1.0)
+    assert wait_until(lambda: _pool_is_whole(server), timeout=2.0), server.async_engine.stats()

@@ -1,0 +1,192 @@
+"""Every bad input gets its 4xx and the OpenAI error shape; the server stays healthy."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL, sse_events
+
+from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
+from tinyserve.entrypoints.cli import build_parser
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "-") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "-":
+        assert err["param"] == param, err
+    return err
+
+
+BAD_REQUESTS = [
+    (CHAT, {"model": MODEL}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "-"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "-"),
+    (CHAT, {"messages": MSGS, "temperature": -1}, "temperature"),
+    (CHAT, {"messages": MSGS, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": MSGS, "top_p": 0}, "top_p"),
+    (CHAT, {"messages": MSGS, "min_p": 2}, "min_p"),
+    (CHAT, {"messages": MSGS, "n": 0}, "n"),
+    (CHAT, {"messages": MSGS, "n": 1000}, "n"),
+    (CHAT, {"messages": MSGS, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": -5}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "presence_penalty": 5}, "presence_penalty"),
+    (CHAT, {"messages": MSGS, "repetition_penalty": 0}, "repetition_penalty"),
+    (CHAT, {"messages": MSGS, "logit_bias": {"abc": 1}}, "logit_bias"),
+    (CHAT, {"messages": MSGS, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    (CHAT, {"messages": MSGS, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    (CHAT, {"messages": MSGS, "stop": [""]}, "stop"),
+    (CHAT, {"messages": MSGS, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    (CHAT, {"messages": MSGS, "stream_options": {"include_usage": "maybe"}}, "-"),
+    (COMP, {}, "prompt"),
+    (COMP, {"prompt": []}, "prompt"),
+    (COMP, {"prompt": ""}, "prompt"),
+    (COMP, {"prompt": [1, -2]}, "prompt"),
+    (COMP, {"prompt": [10**9]}, "prompt"),
+    (COMP, {"prompt": ["a", 1]}, "-"),
+    (COMP, {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    (COMP, {"prompt": "hi", "seed": "x"}, "seed"),
+    (COMP, {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/tokenize", {}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_bad_values_are_400(client, path, body, param):
+    assert_error(client.post(path, json=body), 400, param)
+    assert client.get("/health").status_code == 200
+
+
+def test_malformed_bodies_are_400(client):
+    json_header = {"content-type": "application/json"}
+    err = assert_error(client.post(CHAT, content=b"{not json", headers=json_header), 400)
+    assert "JSON" in err["message"]
+    assert_error(client.post(CHAT, json=[1, 2]), 400)
+    assert_error(client.post(COMP, content=b"", headers={"content-type": "application/json"}), 400)
+
+
+def test_context_window_overflow_names_both_numbers(client, server):
+    max_len = server.async_engine.max_model_len
+    r = client.post(COMP, json={"prompt": [1, 2, 3], "max_tokens": max_len})
+    err = assert_error(r, 400, "max_tokens")
+    assert str(max_len) in err["message"] and "3 tokens" in err["message"]
+    r = client.post(COMP, json={"prompt": [1] * (max_len + 5)})
+    assert str(max_len) in assert_error(r, 400, "prompt")["message"]
+
+
+def test_unknown_model_is_404(client):
+    err = assert_error(client.post(CHAT, json={"model": "gpt-9", "messages": MSGS}), 404, "model")
+    assert "gpt-9" in err["message"]
+
+
+def test_unknown_route_and_method(client):
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get(CHAT), 405)
+
+
+def test_unknown_fields_ignored_and_health_still_ok(client):
+    r = client.post(COMP, json={"prompt": "hi", "max_tokens": 2, "frobnicate": True, "best_of": 1})
+    assert r.status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+def test_tokenize_detokenize_roundtrip(client, server):
+    r = client.post("/tokenize", json={"prompt": "Hello world"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0
+    assert body["max_model_len"] == server.async_engine.max_model_len
+    r = client.post("/detokenize", json={"tokens": body["tokens"]})
+    assert r.json()["prompt"] == "Hello world"
+    chat = client.post("/tokenize", json={"messages": MSGS}).json()
+    assert chat["count"] > body["count"]
+
+
+def test_openapi_schema_describes_requests(client):
+    schema = client.get("/openapi.json").json()
+    props = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_tokens", "temperature", "stream_options", "logprobs"} <= set(props)
+
+
+# -- servers over the fake engine: auth, 429, dead engine, one request failing ---------------
+
+
+def test_api_key(fake_server):
+    with fake_server(api_key="s3cret") as s:
+        body = {"prompt": "hi", "max_tokens": 2}
+        err = assert_error(httpx.post(s.url(COMP), json=body), 401)
+        assert err["type"] == "authentication_error"
+        wrong = {"Authorization": "Bearer nope"}
+        assert_error(httpx.post(s.url(COMP), json=body, headers=wrong), 401)
+        assert_error(httpx.get(s.url("/v1/models")), 401)
+        good = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(s.url(COMP), json=body, headers=good).status_code == 200
+        assert httpx.get(s.url("/health")).status_code == 200
+        with openai.OpenAI(base_url=s.url("/v1"), api_key="s3cret", max_retries=0) as c:
+            assert c.completions.create(model="fake-model", prompt="hi", max_tokens=2).choices
+        with openai.OpenAI(base_url=s.url("/v1"), api_key="bad", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError):
+                c.models.list()
+
+
+def test_api_key_from_env(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    ns = build_parser().parse_args(["serve"])
+    assert server_config_from_namespace(ns).api_key == "from-env"
+    ns = build_parser().parse_args(["serve", "--api-key", "flag"])
+    assert server_config_from_namespace(ns).api_key == "flag"
+
+
+def test_queue_full_is_429(fake_server):
+    with fake_server(max_queued_requests=1, max_num_seqs=1, step_delay=0.01) as s:
+        body = {"prompt": "hi", "max_tokens": 400, "stream": True}
+        with httpx.Client(base_url=s.base_url, timeout=10) as c:
+            with c.stream("POST", COMP, json=body) as r1, c.stream("POST", COMP, json=body) as r2:
+                assert r1.status_code == r2.status_code == 200  # one running, one waiting
+                r = httpx.post(s.url(COMP), json={"prompt": "hi", "max_tokens": 2})
+                err = assert_error(r, 429)
+                assert r.headers["retry-after"] == "1" and err["code"] == "queue_full"
+        assert httpx.get(s.url("/health")).status_code == 200
+
+
+def test_one_failing_request_fails_alone(fake_server):
+    with fake_server() as s:
+        failing = {"prompt": [13, 14], "max_tokens": 4}
+        err = assert_error(httpx.post(s.url(COMP), json=failing), 500)
+        assert "fake failure" in err["message"]
+        with httpx.stream("POST", s.url(COMP), json={**failing, "stream": True}) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert "fake failure" in json.loads(events[-2])["error"]["message"]
+        ok = httpx.post(s.url(COMP), json={"prompt": [14], "max_tokens": 3})
+        assert ok.json()["choices"][0]["text"] == "t0 t1 t2 "
+        assert httpx.get(s.url("/health")).status_code == 200
+
+
+def test_dead_engine_is_503(fake_server):
+    with fake_server(step_delay=0.01) as s:
+        body = {"prompt": "hi", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", s.url(COMP), json=body, timeout=10) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            s.engine.explode = True
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == "engine_dead"
+        assert_error(httpx.get(s.url("/health")), 503)
+        assert_error(httpx.post(s.url(COMP), json={"prompt": "hi"}), 503)
+        metrics = httpx.get(s.url("/metrics")).text
+        assert 'tinyserve:engine_healthy{model_name="fake-model"} 0.0' in metrics

@@ -1,0 +1,100 @@
+"""`tinyserve serve`: its flags, the README's curl example, and a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port
+
+from tinyserve.entrypoints.api_server import server_config_from_namespace
+from tinyserve.entrypoints.cli import build_parser
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_serve_flags():
+    ns = build_parser().parse_args(
+        "serve --model m.gguf --host 0.0.0.0 --port 9000 --served-model-name tiny "
+        "--dtype float32 --max-model-len 512 --max-num-seqs 8 --max-num-batched-tokens 256 "
+        "--block-size 32 --kv-cache-memory 1GiB --no-enable-prefix-caching "
+        "--max-queued-requests 3 --api-key k --log-level debug".split()
+    )
+    assert callable(ns.func) and ns.log_level == "debug"
+    assert (ns.model, ns.dtype, ns.max_model_len, ns.max_num_seqs) == ("m.gguf", "float32", 512, 8)
+    assert (ns.max_num_batched_tokens, ns.block_size, ns.kv_cache_memory) == (256, 32, "1GiB")
+    assert ns.enable_prefix_caching is False
+    config = server_config_from_namespace(ns)
+    assert (config.host, config.port, config.served_model_name) == ("0.0.0.0", 9000, "tiny")
+    assert (config.api_key, config.max_queued_requests) == ("k", 3)
+    d = build_parser().parse_args(["serve"])
+    assert (d.host, d.port, d.model, d.log_level) == ("127.0.0.1", 8321, None, "info")
+
+
+def _readme_curl() -> str:
+    lines = [line for line in README.read_text().splitlines() if line.startswith("curl -N ")]
+    assert lines, "README.md has no `curl -N ...` example"
+    return lines[0]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl binary")
+def test_readme_curl_command(server):
+    command = re.sub(r"http://(127\.0\.0\.1|localhost):\d+", server.base_url, _readme_curl())
+    assert server.base_url in command
+    out = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert '"object":"chat.completion.chunk"' in events[0]
+
+
+@pytest.mark.slow
+def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
+    port = free_port()
+    exe = Path(sys.executable).parent / "tinyserve"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tinyserve.entrypoints.cli"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [*cmd, "serve", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TINYSERVE_API_KEY": ""},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = (tmp_path / "serve.log").read_text()
+    assert f"http://127.0.0.1:{port}" in text and "SmolLM2-135M-Instruct" in text
+    assert "tokens" in text and re.search(r"request chatcmpl-\w+ finished", text)

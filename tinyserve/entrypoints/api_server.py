@@ -1,0 +1,268 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) and the ``tinyserve serve`` command.
+
+``build_app(async_engine, server_config)`` wires routes to an AsyncEngine (tests pass their
+own); ``create_app(engine_args, server_config)`` loads the model first; ``run_server(ns)`` is
+the CLI entry. Server state lives on ``app.state``; nothing is global.
+
+With an API key (``--api-key`` or $TINYSERVE_API_KEY) the /v1 routes and /tokenize,
+/detokenize need ``Authorization: Bearer <key>``; /health and /metrics stay open (as vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinyserve.config import ServerConfig
+from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
+from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+from tinyserve.entrypoints.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "TINYSERVE_API_KEY"
+_ERRORS = {
+    400: {"model": P.ErrorResponse, "description": "Invalid request"},
+    401: {"model": P.ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": P.ErrorResponse, "description": "Unknown model"},
+    429: {"model": P.ErrorResponse, "description": "Waiting queue full"},
+    503: {"model": P.ErrorResponse, "description": "Engine not running"},
+}
+_bearer = HTTPBearer(auto_error=False, description="The server's --api-key")
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+async def _check_api_key(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+) -> None:
+    expected: str | None = request.app.state.api_key
+    if not expected:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
+        raise OpenAIError(
+            401,
+            "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _router() -> APIRouter:
+    api = APIRouter(dependencies=[Depends(_check_api_key)], responses=_ERRORS)
+
+    @api.post("/v1/chat/completions", response_model=P.ChatCompletionResponse)
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion; `stream: true` answers with `text/event-stream` chunks."""
+        return await _serving(request).chat(body, request)
+
+    @api.post("/v1/completions", response_model=P.CompletionResponse)
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        """Text completion; `stream: true` answers with `text/event-stream` chunks."""
+        return await _serving(request).completion(body, request)
+
+    @api.get("/v1/models", response_model=P.ModelList)
+    async def models(request: Request) -> P.ModelList:
+        state = request.app.state
+        card = P.ModelCard(
+            id=state.serving.model_name,
+            root=state.model_root,
+            max_model_len=state.async_engine.max_model_len,
+        )
+        return P.ModelList(data=[card])
+
+    @api.post("/tokenize", response_model=P.TokenizeResponse)
+    async def tokenize(body: P.TokenizeRequest, request: Request) -> P.TokenizeResponse:
+        return _serving(request).tokenize(body)
+
+    @api.post("/detokenize", response_model=P.DetokenizeResponse)
+    async def detokenize(body: P.DetokenizeRequest, request: Request) -> P.DetokenizeResponse:
+        return _serving(request).detokenize(body)
+
+    return api
+
+
+def _open_router() -> APIRouter:
+    """Routes without the API key (monitoring)."""
+    api = APIRouter()
+
+    @api.get("/health", responses={503: {"model": P.ErrorResponse}})
+    async def health(request: Request) -> Response:
+        engine: AsyncEngine = request.app.state.async_engine
+        if engine.is_healthy:
+            return Response(status_code=200)
+        reason = engine.dead_reason or "the engine is not running"
+        return OpenAIError(503, reason, "service_unavailable_error", code="engine_dead").response()
+
+    @api.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return api
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Drop pydantic's union-branch names ("str", "list[int]") from the location.
+        loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int")]
+        where = ".".join(loc)
+        param = param or (where or None)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = OpenAIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        err = OpenAIError(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return err.response()
+
+
+def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app around an AsyncEngine. The engine thread starts with the app's
+    lifespan (on the server's event loop) and stops with it."""
+    config = server_config or ServerConfig()
+    llm = async_engine.engine
+    source = getattr(llm, "source", None)
+    model_name = config.served_model_name or getattr(source, "name", None) or "tinyserve-model"
+    metrics = ServerMetrics(model_name)
+    metrics.attach(async_engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        logger.info(
+            "serving %s at http://%s:%d (KV cache %s tokens, max_model_len %d)",
+            model_name,
+            config.host,
+            config.port,
+            getattr(llm, "kv_capacity_tokens", "?"),
+            async_engine.max_model_len,
+        )
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(
+        title="tinyserve",
+        summary="OpenAI-compatible inference server",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.async_engine = async_engine
+    app.state.serving = OpenAIServing(async_engine, model_name)
+    app.state.metrics = metrics
+    app.state.api_key = config.api_key
+    app.state.model_root = str(getattr(source, "path", None) or model_name)
+    app.include_router(_router())
+    app.include_router(_open_router())
+    _install_error_handlers(app)
+    return app
+
+
+def create_app(
+    engine_args: EngineArgs | None = None, server_config: ServerConfig | None = None
+) -> FastAPI:
+    """Load the model (slow) and build the app."""
+    from tinyserve.engine.llm_engine import LLMEngine
+
+    config = server_config or ServerConfig()
+    engine = LLMEngine(engine_args or EngineArgs())
+    return build_app(AsyncEngine(engine, config.max_queued_requests), config)
+
+
+# -- the `tinyserve serve` command --------------------------------------------------------------
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    d = ServerConfig()
+    p = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (flags as `vllm serve`).",
+    )
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model's)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="requests allowed to wait beyond --max-num-seqs before answering 429",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    add_engine_args(p)
+    p.set_defaults(func=run_server)
+    return p
+
+
+def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    if not values.get("api_key"):
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    return ServerConfig(**values)
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    config = server_config_from_namespace(ns)
+    if config.max_queued_requests < 0:
+        raise SystemExit("--max-queued-requests must be >= 0")
+    app = create_app(EngineArgs.from_namespace(ns), config)
+    log_level = str(getattr(ns, "log_level", "info")).lower()
+    if not logging.getLogger().handlers:  # called without cli.main's logging set-up
+        logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level)
+    return 0

@@ -8,7 +8,6 @@ its own KV cache, scheduler and runner.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from unittest import mock
@@ -19,8 +18,6 @@ import torch
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.sampling_params import SamplingParams
-
-os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
 
 TINY_VOCAB = 256
 
@@ -93,7 +90,7 @@ def tiny_qwen2_path(tmp_path_factory) -> str:
         tie_word_embeddings=False,
         rope_theta=10000.0,
         # Larger than the default 0.02: peaked logits, so greedy never sits on a near-tie.
-        initializer_range=0.25,
+        initializer_range=0.5,
         bos_token_id=None,
         eos_token_id=None,
     )
@@ -113,11 +110,14 @@ def tiny_qwen2_hf(tiny_qwen2_path):
 
 
 @pytest.fixture(scope="session")
-def smol_engine(smol_path) -> LLMEngine:
-    """The SmolLM2 engine most tests share: block 16, 256 blocks, prefix caching on."""
-    return build_engine(
-        model=smol_path, num_blocks=256, block_size=16, max_num_batched_tokens=512
-    )
+def smol_llm(smol_path):
+    """The SmolLM2 ``LLM`` most tests share: block 16, 256 blocks, prefix caching on."""
+    return build_llm(model=smol_path, num_blocks=256, block_size=16, max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smol_llm) -> LLMEngine:
+    return smol_llm.engine
 
 
 def tiny_engine(path: str, **kwargs) -> LLMEngine:
@@ -215,3 +215,37 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     # The runner drops per-request state at the step after a request leaves.
     assert engine.step() == []
     assert not engine.runner.generators
+
+
+# ---------------------------------------------------------------- text prompts for SmolLM2
+
+CORPUS = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
+    "small lamp and a notebook in which he wrote down the colour of the sky, the direction of "
+    "the wind and the names of the ships that passed the point. In winter the storms came in "
+    "from the west and the sea rose over the rocks, but the light never failed. Children from "
+    "the village would visit on Sundays to hear his stories about sailors, whales and the "
+    "great fog of the year the harbour froze. He taught them how to read the clouds, how to "
+    "tie a bowline and why the moon pulls the tides twice a day. When the new electric beacon "
+    "was installed, the keeper was told he could retire, yet he still walked up the hill each "
+    "night to check that the beam swept the water as it should. Scientists measure the speed "
+    "of light in a vacuum as almost three hundred thousand kilometres per second, and a "
+    "photon from the sun needs a little more than eight minutes to reach the earth. A good "
+    "recipe for bread needs flour, water, salt and yeast, and above all patience while the "
+    "dough rises in a warm kitchen. Python is a programming language that lets you write "
+    "clear programs quickly; its lists, dictionaries and functions are the first things most "
+    "people learn. The capital of France is Paris, the capital of Japan is Tokyo, and the "
+    "capital of Canada is Ottawa, which surprises many visitors who expect Toronto."
+)
+
+
+def text_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths cut from CORPUS at varied offsets."""
+    corpus_ids = tokenizer.encode(CORPUS, add_special_tokens=False)
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for n in lengths:
+        assert n < len(corpus_ids)
+        start = int(torch.randint(0, len(corpus_ids) - n + 1, (1,), generator=g))
+        prompts.append(corpus_ids[start : start + n])
+    return prompts

@@ -1,0 +1,164 @@
+"""Continuous batching changes nothing but speed: greedy outputs of many prompts of varied
+lengths and max_tokens, run together, equal each prompt run alone, token for token (SmolLM2
+through the offline ``LLM`` API, and a tiny Qwen2); the static (gang) policy gives the same
+outputs as the continuous one, and the two really schedule differently."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import (
+    build_llm,
+    greedy,
+    random_prompt,
+    run_alone,
+    run_batch,
+    text_prompts,
+    tiny_engine,
+)
+
+NUM_PROMPTS = 16
+# Varied prompt lengths (tokens) and max_tokens (ignore_eos: lengths are exact).
+SMOL_LENGTHS = [3 + (37 * i) % 150 for i in range(NUM_PROMPTS)]
+SMOL_MAX_TOKENS = [8 + (5 * i) % 13 for i in range(NUM_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def nocache_llm(smol_path):
+    # Prefix caching off: these tests are about batching alone.
+    return build_llm(
+        model=smol_path,
+        num_blocks=160,
+        block_size=16,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def smol_prompts(nocache_llm):
+    return text_prompts(nocache_llm.tokenizer, SMOL_LENGTHS, seed=1)
+
+
+@pytest.fixture(scope="module")
+def smol_batched(nocache_llm, smol_prompts):
+    params = [greedy(m) for m in SMOL_MAX_TOKENS]
+    return nocache_llm.generate(smol_prompts, params, use_tqdm=False)
+
+
+def _assert_same(got: dict[str, list[int]], want: dict[str, list[int]]) -> None:
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid] == want[rid], f"{rid}: {got[rid]} != {want[rid]}"
+
+
+@pytest.mark.slow
+def test_smollm2_batched_equals_sequential(nocache_llm, smol_prompts, smol_batched):
+    assert len(set(map(len, smol_prompts))) >= 12  # really varied lengths
+    tok = nocache_llm.tokenizer
+    for prompt, mt, out in zip(smol_prompts, SMOL_MAX_TOKENS, smol_batched, strict=True):
+        assert out.finished and out.prompt_token_ids == prompt
+        [choice] = out.outputs
+        assert len(choice.token_ids) == mt and choice.finish_reason == "length"
+        assert choice.text == tok.decode(choice.token_ids, skip_special_tokens=True)
+    # Each prompt alone, one after the other, on the same (now idle) engine.
+    alone = [
+        nocache_llm.generate(prompt, greedy(mt), use_tqdm=False)[0]
+        for prompt, mt in zip(smol_prompts, SMOL_MAX_TOKENS, strict=True)
+    ]
+    _assert_same(
+        {str(i): o.outputs[0].token_ids for i, o in enumerate(smol_batched)},
+        {str(i): o.outputs[0].token_ids for i, o in enumerate(alone)},
+    )
+    # Not a degenerate model output: the prompts do lead to different continuations.
+    assert len({tuple(o.outputs[0].token_ids[:8]) for o in alone}) >= NUM_PROMPTS // 2
+
+
+@pytest.mark.slow
+def test_smollm2_static_policy_matches_continuous(smol_path, smol_prompts, smol_batched):
+    llm = build_llm(
+        model=smol_path,
+        num_blocks=160,
+        block_size=16,
+        max_num_batched_tokens=512,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+        scheduling_policy="static",
+    )
+    params = [greedy(m) for m in SMOL_MAX_TOKENS]
+    static = llm.generate(smol_prompts, params, use_tqdm=False)
+    _assert_same(
+        {str(i): o.outputs[0].token_ids for i, o in enumerate(static)},
+        {str(i): o.outputs[0].token_ids for i, o in enumerate(smol_batched)},
+    )
+
+
+# ---------------------------------------------------------------- tiny Qwen2
+
+
+TINY_REQUESTS = [
+    (f"q{i}", random_prompt(1 + (23 * i) % 120, seed=100 + i), greedy(8 + (7 * i) % 17))
+    for i in range(20)
+]
+
+
+def _tokens(collector) -> dict[str, list[int]]:
+    return {rid: c[0].token_ids for rid, c in collector.choices.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_alone(tiny_qwen2_path):
+    engine = tiny_engine(tiny_qwen2_path, enable_prefix_caching=False)
+    return _tokens(run_alone(engine, TINY_REQUESTS))
+
+
+def test_tiny_qwen2_batched_equals_sequential(tiny_qwen2_path, tiny_alone):
+    # A small token budget: long prompts are chunked and share steps with decodes.
+    engine = tiny_engine(tiny_qwen2_path, enable_prefix_caching=False, max_num_batched_tokens=64)
+    batched = run_batch(engine, TINY_REQUESTS)
+    for rid, _, params in TINY_REQUESTS:
+        c = batched[rid]
+        assert c.finish_reason == "length" and len(c.token_ids) == params.max_tokens
+    _assert_same(_tokens(batched), tiny_alone)
+    assert len({tuple(t[:8]) for t in tiny_alone.values()}) >= 15
+    stats = engine.stats()  # no prefix cache, no preemption: every token counted once
+    assert stats.prompt_tokens_total == sum(len(p) for _, p, _ in TINY_REQUESTS)
+    assert stats.generation_tokens_total == sum(sp.max_tokens for _, _, sp in TINY_REQUESTS)
+    assert stats.num_preemptions == 0
+
+
+def _trace_admissions(engine, requests):
+    """Add all requests and step to the end. Returns the per-request tokens and, per step,
+    (ids scheduled for the first time, ids admitted earlier and still unfinished)."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    seen: set[str] = set()
+    trace = []
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        live_old = {rid for rid in engine.scheduler.requests if rid in seen}
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        ids = {item.request.request_id for item in engine.last_scheduler_output.scheduled}
+        trace.append((ids - seen, live_old))
+        seen |= ids
+    return trace, tokens
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_tiny_qwen2_policies_match_alone(tiny_qwen2_path, tiny_alone, policy):
+    engine = tiny_engine(
+        tiny_qwen2_path,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        scheduling_policy=policy,
+    )
+    trace, tokens = _trace_admissions(engine, TINY_REQUESTS)
+    _assert_same(tokens, tiny_alone)
+    # Steps in which a request was admitted while earlier admitted ones were still running.
+    joins = sum(1 for new, old in trace if new and old)
+    if policy == "static":
+        assert joins == 0  # a gang runs until all its members finish
+    else:
+        assert joins > 0  # iteration-level: a finished slot is refilled at once
+    assert max(len(new | old) for new, old in trace) <= 4  # max_num_seqs

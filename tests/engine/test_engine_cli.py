@@ -1,0 +1,60 @@
+"""``tinyserve generate`` prints the completions the offline API gives for the same prompts
+and parameters (greedy, so the text is derived here rather than hard-coded)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import run_batch
+
+from tinyserve.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+# What the CLI builds from its defaults (temperature 0) and --max-tokens 8.
+CLI_PARAMS = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=8, seed=None, stop=[])
+
+
+def _cli(*args: str, cwd=None) -> str:
+    exe = shutil.which("tinyserve", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "tinyserve.entrypoints.cli"]
+    cmd += ["generate", *args, "--max-tokens", "8", "--dtype", "float32"]
+    cmd += ["--kv-cache-memory", "64MiB"]
+    env = {**os.environ, "TINYSERVE_NO_PROGRESS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def expected(smol_engine):
+    tok = smol_engine.tokenizer
+    requests = [(f"cli{i}", tok.encode(p), CLI_PARAMS) for i, p in enumerate(PROMPTS)]
+    got = run_batch(smol_engine, requests)
+    texts = [tok.decode(got[f"cli{i}"].token_ids, skip_special_tokens=True) for i in range(3)]
+    assert all(texts)
+    return texts
+
+
+@pytest.mark.slow
+def test_generate_one_prompt(expected):
+    assert _cli(PROMPTS[0]) == expected[0] + "\n"
+
+
+@pytest.mark.slow
+def test_generate_from_file(expected, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n\n", encoding="utf-8")  # blank lines are skipped
+    want = "".join(f"### {p}\n{t}\n" for p, t in zip(PROMPTS, expected, strict=True))
+    assert _cli("--file", str(path)) == want
+
+
+def test_generate_without_prompt_fails_cleanly(tmp_path):
+    from tinyserve.entrypoints.cli import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n", encoding="utf-8")
+    assert main(["generate", "--file", str(empty)]) == 2

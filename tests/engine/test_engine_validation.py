@@ -1,0 +1,127 @@
+"""Bad parameters raise ValueError with a message naming the field, before anything enters
+the engine; a rejected request leaves no trace and the engine keeps working."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import (
+    TINY_VOCAB,
+    assert_no_leaks,
+    build_llm,
+    greedy,
+    random_prompt,
+    run_batch,
+    tiny_engine,
+)
+
+from tinyserve.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 32
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.2),
+        ("top_k", -2),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("min_p", 1.5),
+        ("logprobs", -1),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_edge_values_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, n=1, max_tokens=1)
+    SamplingParams(top_p=1e-6, top_k=0)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_qwen2_path):
+    return tiny_engine(tiny_qwen2_path, num_blocks=32, block_size=4, max_model_len=MAX_MODEL_LEN)
+
+
+def _bad_requests():
+    ok = random_prompt(10, seed=1)
+    return [
+        ("prompt", [], greedy(4)),
+        ("prompt", random_prompt(MAX_MODEL_LEN, seed=2), greedy(1)),  # no room for output
+        ("prompt", random_prompt(MAX_MODEL_LEN + 9, seed=3), greedy(1)),
+        ("max_tokens", random_prompt(MAX_MODEL_LEN - 4, seed=4), greedy(8)),
+        ("max_tokens", ok, greedy(MAX_MODEL_LEN)),
+        ("prompt", [*ok, TINY_VOCAB], greedy(4)),  # token id out of vocab
+        ("prompt", [-1, *ok], greedy(4)),
+        ("stop_token_ids", ok, greedy(4, stop_token_ids=[TINY_VOCAB + 5])),
+        ("logit_bias", ok, greedy(4, logit_bias={TINY_VOCAB: 1.0})),
+        ("stop", ok, greedy(4, stop=["x"])),  # stop strings need a tokenizer
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_requests())))
+def test_bad_requests_are_rejected_naming_the_field(small_engine, case):
+    field, prompt, params = _bad_requests()[case]
+    with pytest.raises(ValueError, match=rf"\b{re.escape(field)}\b"):
+        small_engine.add_request(f"bad{case}", prompt, params)
+    assert_no_leaks(small_engine)
+
+
+def test_engine_serves_after_rejections_and_at_the_edge_of_the_context(small_engine):
+    edge = random_prompt(MAX_MODEL_LEN - 4, seed=5)
+    got = run_batch(
+        small_engine,
+        [
+            ("edge", edge, greedy(4)),
+            ("open", edge, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)),
+        ],
+    )
+    assert len(got["edge"].token_ids) == 4 and got["edge"].finish_reason == "length"
+    # No max_tokens: the context window ends it.
+    assert len(got["open"].token_ids) == 4 and got["open"].finish_reason == "length"
+    small_engine.add_request("dup", edge, greedy(2))
+    with pytest.raises(ValueError, match="dup"):
+        small_engine.add_request("dup", edge, greedy(2))
+    run_batch(small_engine, [])
+    assert_no_leaks(small_engine)
+
+
+def test_engine_config_errors_name_the_field(tiny_qwen2_path):
+    with pytest.raises(ValueError, match="max_model_len"):  # over the KV capacity (8 x 4)
+        tiny_engine(tiny_qwen2_path, num_blocks=8, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):  # over the model's positions
+        tiny_engine(tiny_qwen2_path, num_blocks=1024, block_size=4, max_model_len=4096)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        tiny_engine(tiny_qwen2_path, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        tiny_engine(tiny_qwen2_path, max_num_seqs=0)
+
+
+def test_llm_generate_rejects_a_bad_prompt_without_leaving_requests(tiny_qwen2_path):
+    llm = build_llm(
+        model=tiny_qwen2_path,
+        load_tokenizer=False,
+        num_blocks=32,
+        block_size=4,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    good = random_prompt(8, seed=6)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([good, random_prompt(MAX_MODEL_LEN + 1, seed=7)], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["text needs a tokenizer"], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([good, good], [greedy(4)], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    [out] = llm.generate([good], greedy(4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert_no_leaks(llm.engine)

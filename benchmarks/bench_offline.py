@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Offline tables on our engine (no HTTP), like the seed projects' READMEs:
 
-  modes     singleton without KV cache / singleton with KV cache / static batch / continuous
-  skew      static (gang) vs continuous batching on uniform .. extreme-uneven output lengths
-  prefix    prefix caching off vs on with a shared system prompt
-  sim       policy-only scheduler simulation (no model; a linear step-cost model)
+modes     singleton without KV cache / singleton with KV cache / static batch / continuous
+skew      static (gang) vs continuous batching on uniform .. extreme-uneven output lengths
+prefix    prefix caching off vs on with a shared system prompt
+sim       policy-only scheduler simulation (no model; a linear step-cost model)
 
-  python benchmarks/bench_offline.py --tables modes,skew,prefix,sim --out benchmarks/results/offline.json
+python benchmarks/bench_offline.py --tables modes,skew,prefix,sim --out benchmarks/results/offline.json
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def run_engine(engine, prompts, max_tokens, submit_all=True) -> dict:
     done: dict[str, float] = {}
     ntok = 0
     for i, (p, mt) in enumerate(zip(prompts, max_tokens, strict=True)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", p, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True)
+        )
     while engine.has_unfinished():
         for out in engine.step():
             now = time.perf_counter() - t0
@@ -105,7 +107,9 @@ def table_modes(n: int, max_tokens: int, seed: int) -> list[dict]:
                 seq.append(int(model.compute_logits(h[-1:]).argmax(-1)))
                 ntok += 1
     wall = time.perf_counter() - t0
-    rows.append({"mode": "singleton, no KV cache", "wall_s": wall, "new_tokens": ntok, "tok_s": ntok / wall})
+    rows.append(
+        {"mode": "singleton, no KV cache", "wall_s": wall, "new_tokens": ntok, "tok_s": ntok / wall}
+    )
     r = run_engine(engine, prompts, mts)
     rows.append({"mode": "singleton, KV cache", **r})
     del engine
@@ -139,7 +143,9 @@ def table_skew(n: int, max_num_seqs: int, seed: int) -> list[dict]:
 def table_prefix(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     system = [1] + [rng.randint(300, 20000) for _ in range(300)]
-    prompts = [system + [rng.randint(300, 20000) for _ in range(rng.randint(8, 24))] for _ in range(n)]
+    prompts = [
+        system + [rng.randint(300, 20000) for _ in range(rng.randint(8, 24))] for _ in range(n)
+    ]
     rows = []
     for on in (False, True):
         engine = make_engine(max_num_seqs=8, enable_prefix_caching=on)
@@ -164,18 +170,24 @@ def table_prefix(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def table_sim(n: int, seed: int, step_fixed_ms: float = 30.0, per_token_ms: float = 0.5) -> list[dict]:
+def table_sim(
+    n: int, seed: int, step_fixed_ms: float = 30.0, per_token_ms: float = 0.5
+) -> list[dict]:
     """Scheduler + KV manager only; each step 'costs' fixed + per_token * batched tokens."""
     rows = []
     for skew, draw in SKEWS.items():
         for policy in ("static", "continuous"):
             rng = random.Random(seed)
-            sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, policy=policy)
+            sc = SchedulerConfig(
+                max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, policy=policy
+            )
             cc = CacheConfig(block_size=16, num_blocks=4096)
             sched = Scheduler(sc, cc, KVCacheManager(4096, 16))
             for i in range(n):
                 p = [rng.randint(3, 1000) for _ in range(rng.randint(16, 48))]
-                sched.add_request(Request(f"s{i}", p, SamplingParams(max_tokens=draw(rng), ignore_eos=True)))
+                sched.add_request(
+                    Request(f"s{i}", p, SamplingParams(max_tokens=draw(rng), ignore_eos=True))
+                )
             clock, ttft, done, tokens, steps = 0.0, {}, [], 0, 0
             while sched.has_unfinished():
                 out = sched.schedule()
@@ -215,7 +227,9 @@ def _print(title: str, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tables", default="modes,skew,prefix,sim")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)

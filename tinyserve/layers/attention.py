@@ -35,7 +35,9 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [num_valid] flat rows, in token_index[valid] order
     valid_index: torch.Tensor  # [num_valid] positions of the valid entries in valid.view(-1)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] (0 for padding; masked out)
-    attn_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool
+    # [num_seqs, 1, max_query_len, max_blocks * block_size], additive: 0 visible, -inf not.
+    # Additive in the model dtype so SDPA does not convert a boolean mask in every layer.
+    attn_mask: torch.Tensor
     is_decode: bool
 
 
@@ -62,6 +64,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> AttentionMetadata:
         """``query_lens[i]`` new tokens of sequence i (flat, in order) at positions
         ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``."""
@@ -84,7 +87,7 @@ class AttentionMetadata:
         prefill = [i for i, ql in enumerate(query_lens) if ql > 1]
         groups = [
             _build_group(
-                ids, query_lens, seq_lens, block_tables, query_start_loc, block_size, device
+                ids, query_lens, seq_lens, block_tables, query_start_loc, block_size, device, dtype
             )
             for ids in (decode, prefill)
             if ids
@@ -100,6 +103,7 @@ def _build_group(
     query_start_loc: list[int],
     block_size: int,
     device: torch.device | str,
+    dtype: torch.dtype,
 ) -> AttentionGroup:
     n = len(seq_ids)
     max_q = max(query_lens[i] for i in seq_ids)
@@ -119,7 +123,7 @@ def _build_group(
     # their mask row is never empty (an all-False row would give NaN).
     abs_pos = (s_lens - q_lens)[:, None] + torch.minimum(q_pos[None, :], (q_lens - 1)[:, None])
     k_pos = torch.arange(max_blocks * block_size)
-    attn_mask = (k_pos[None, None, :] <= abs_pos[:, :, None]) & (
+    visible = (k_pos[None, None, :] <= abs_pos[:, :, None]) & (
         k_pos[None, None, :] < s_lens[:, None, None]
     )
     out_rows = token_index[valid]
@@ -129,7 +133,10 @@ def _build_group(
         out_rows=out_rows.to(device),
         valid_index=valid.view(-1).nonzero().squeeze(1).to(device),
         block_tables=tables.to(device),
-        attn_mask=attn_mask.unsqueeze(1).to(device),
+        attn_mask=torch.zeros(visible.shape, dtype=dtype)
+        .masked_fill_(~visible, float("-inf"))
+        .unsqueeze(1)
+        .to(device),
         is_decode=max_q == 1,
     )
 

@@ -53,13 +53,12 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotated together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
+        q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
+        k = qk[:, self.num_heads :]  # [num_tokens, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)

@@ -58,7 +58,7 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampling.append(req)
         meta = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.block_size, self.device
+            query_lens, seq_lens, block_tables, self.block_size, self.device, self.model.dtype
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)

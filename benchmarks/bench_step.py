@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Decode-step anatomy at batch 1 and 32, side by side with the matmul floor, in one run.
+
+matmul floor   the bare matrix products of one decode step (every layer's qkv, o, gate_up,
+               down, plus the LM head) on random activations: what a pure-PyTorch engine
+               cannot go below
+step           one LLMEngine.step() in steady decode
+model          the model's forward + LM head (logits of the sampled rows)
+sampler        the batched sampler
+overhead       step - model - sampler: scheduling, batch building, metadata, host copy,
+               detokenizing — the engine's own cost
+
+python benchmarks/bench_step.py [--batch-sizes 1,32] [--steps 30] [--out benchmarks/results/step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
+from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
+from tinyserve.sampling_params import SamplingParams  # noqa: E402
+
+
+def matmul_floor_ms(model, batch: int, iters: int) -> float:
+    dtype = model.dtype
+    cfg = model.config
+    weights = []
+    for layer in model.model.layers:
+        weights += [
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        ]
+    weights.append(model.lm_head_weight)
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+    del cfg
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+        for _ in range(iters):
+            t = time.perf_counter()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
+    runner = engine.runner
+    model = runner.model
+    timers: dict[str, list[float]] = {"model": [], "sampler": []}
+    originals = {"forward": model.forward, "compute_logits": model.compute_logits}
+    sampler = runner.sampler
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            timers[key].append(time.perf_counter() - t)
+            return out
+
+        return wrapper
+
+    for i in range(batch):
+        prompt = [1] + [300 + (7 * i + j) % 5000 for j in range(24)]
+        engine.add_request(
+            f"b{batch}-{i}",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
+        )
+    while any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
+    ):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    step_times = []
+    model.forward = timed(originals["forward"], "model")
+    model.compute_logits = timed(originals["compute_logits"], "model")
+    runner.sampler = timed(sampler, "sampler")
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - t)
+    finally:
+        model.forward, model.compute_logits = originals["forward"], originals["compute_logits"]
+        runner.sampler = sampler
+    for rid in list(engine._children):
+        engine.abort(rid)
+    step_ms = 1000 * statistics.median(step_times)
+    # forward and LM head alternate in timers["model"]: pair them per step
+    pairs = [a + b for a, b in zip(timers["model"][::2], timers["model"][1::2], strict=True)]
+    model_ms = 1000 * statistics.median(pairs)
+    sampler_ms = 1000 * statistics.median(timers["sampler"])
+    overhead = step_ms - model_ms - sampler_ms
+    return {
+        "batch": batch,
+        "step_ms": step_ms,
+        "model_ms": model_ms,
+        "sampler_ms": sampler_ms,
+        "overhead_ms": overhead,
+        "overhead_share": overhead / step_ms,
+        "tok_s": batch / (step_ms / 1000),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default="benchmarks/results/step.json")
+    args = ap.parse_args(argv)
+    engine = LLMEngine(
+        EngineArgs(model=args.model, dtype=args.dtype, kv_cache_memory="512MiB", max_num_seqs=64)
+    )
+    rows = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        floor = matmul_floor_ms(engine.model, b, args.steps)
+        row = step_anatomy(engine, b, args.steps)
+        row["matmul_floor_ms"] = floor
+        row["floor_tok_s"] = b / (floor / 1000)
+        row["fraction_of_floor"] = floor / row["step_ms"]
+        rows.append(row)
+        print(
+            f"batch {b:>3}: step {row['step_ms']:.1f} ms ({row['tok_s']:.1f} tok/s), model "
+            f"{row['model_ms']:.1f} ms, sampler {row['sampler_ms']:.1f} ms, engine overhead "
+            f"{row['overhead_ms']:.1f} ms "
+            f"({100 * row['overhead_share']:.0f}%), matmul floor {floor:.1f} ms "
+            f"({row['floor_tok_s']:.0f} tok/s) -> {100 * row['fraction_of_floor']:.0f}% of floor"
+        )
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "dtype": str(engine.dtype),
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Draw the benchmark charts (PNG) from the JSON under benchmarks/results/.
+
+  python benchmarks/plot.py [--results benchmarks/results] [--out benchmarks/results]
+
+Needs matplotlib (``pip install -e '.[bench]'``). Draws whatever inputs exist:
+  peers.json    -> throughput_vs_concurrency.png, ttft_tpot.png
+  offline.json  -> static_vs_continuous.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_peers(data: dict, out: Path) -> list[Path]:
+    plt = _plt()
+    runs = data["runs"]  # list of bench_serving summaries with "label" and "concurrency"
+    labels = sorted({r["label"] for r in runs})
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in labels:
+        rs = sorted((r for r in runs if r["label"] == label), key=lambda r: r["concurrency"])
+        ax.plot(
+            [r["concurrency"] for r in rs], [r["output_tok_s"] for r in rs], marker="o", label=label
+        )
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens / s (median of runs)")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{data.get('workload', 'mixed')} workload, {data.get('machine', '')}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = out / "throughput_vs_concurrency.png"
+    fig.savefig(p, dpi=110)
+    written.append(p)
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+        width = 0.8 / max(1, len(labels))
+        concs = sorted({r["concurrency"] for r in runs})
+        for i, label in enumerate(labels):
+            ys = []
+            for c in concs:
+                vals = [
+                    r[key]["median"] for r in runs if r["label"] == label and r["concurrency"] == c
+                ]
+                ys.append(1000 * vals[0] if vals and vals[0] is not None else 0)
+            ax.bar([j + i * width for j in range(len(concs))], ys, width=width, label=label)
+        ax.set_xticks(
+            [j + width * (len(labels) - 1) / 2 for j in range(len(concs))], [str(c) for c in concs]
+        )
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(f"median {name} (ms)")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend()
+    fig.tight_layout()
+    p = out / "ttft_tpot.png"
+    fig.savefig(p, dpi=110)
+    written.append(p)
+    return written
+
+
+def plot_offline(data: dict, out: Path) -> list[Path]:
+    rows = data.get("skew")
+    if not rows:
+        return []
+    plt = _plt()
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in (
+        (axes[0], "tok_s", "output tok/s"),
+        (axes[1], "mean_ttft_s", "mean TTFT (s)"),
+    ):
+        for i, policy in enumerate(("static", "continuous")):
+            ys = [
+                next(r[key] for r in rows if r["skew"] == s and r["policy"] == policy)
+                for s in skews
+            ]
+            ax.bar([j + i * 0.4 for j in range(len(skews))], ys, width=0.4, label=policy)
+        ax.set_xticks([j + 0.2 for j in range(len(skews))], [s.replace("_", "\n") for s in skews])
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend()
+    fig.suptitle("static (gang) vs continuous batching by output-length skew")
+    fig.tight_layout()
+    p = out / "static_vs_continuous.png"
+    fig.savefig(p, dpi=110)
+    return [p]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--results", default="benchmarks/results")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res = Path(args.results)
+    out = Path(args.out) if args.out else res
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if (res / "peers.json").is_file():
+        written += plot_peers(json.loads((res / "peers.json").read_text()), out)
+    if (res / "offline.json").is_file():
+        written += plot_offline(json.loads((res / "offline.json").read_text()), out)
+    for p in written:
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

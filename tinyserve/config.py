@@ -207,4 +207,15 @@ class ServerConfig:
     api_key: str | None = None
     max_queued_requests: int = 256
     log_requests: bool = False
+    # Request bodies above this are refused with 413 before they are read in full.
+    max_request_bytes: int = 4 << 20
+    metrics_require_key: bool = False
+    # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
+    shutdown_timeout: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

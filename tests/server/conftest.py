@@ -81,9 +81,16 @@ def fake_server(smollm2_tokenizer):
     """Factory: ``with fake_server(api_key=..., max_num_seqs=..., ...) as s:``."""
 
     @contextlib.contextmanager
-    def make(max_queued_requests: int = 16, api_key: str | None = None, **engine_kwargs):
+    def make(
+        max_queued_requests: int = 16,
+        api_key: str | None = None,
+        server_options: dict | None = None,
+        **engine_kwargs,
+    ):
         fake = FakeEngine(tokenizer=smollm2_tokenizer, **engine_kwargs)
-        config = ServerConfig(api_key=api_key, max_queued_requests=max_queued_requests)
+        config = ServerConfig(
+            api_key=api_key, max_queued_requests=max_queued_requests, **(server_options or {})
+        )
         with serve(AsyncEngine(fake, max_queued_requests=max_queued_requests), config) as s:
             yield s
 

@@ -190,3 +190,52 @@ def test_dead_engine_is_503(fake_server):
         assert_error(httpx.post(s.url(COMP), json={"prompt": "hi"}), 503)
         metrics = httpx.get(s.url("/metrics")).text
         assert 'tinyserve:engine_healthy{model_name="fake-model"} 0.0' in metrics
+
+
+def test_body_over_max_request_bytes_is_413(fake_server):
+    """Both with a Content-Length header and with a chunked body of unknown length."""
+    with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        limit = s.app.state.max_request_bytes
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * (limit + 10)}]})
+        r = c.post(CHAT, content=big, headers={"Content-Type": "application/json"})
+        err = assert_error(r, 413)
+        assert str(limit) in err["message"]
+
+        def chunks():
+            for i in range(0, len(big), 65536):
+                yield big[i : i + 65536].encode()
+
+        r = c.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
+        assert_error(r, 413)
+        # A body under the limit still works, and the server stays healthy.
+        ok = c.post(CHAT, json={"messages": MSGS, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert c.get("/health").status_code == 200
+
+
+def test_metrics_require_key_flag(fake_server, monkeypatch):
+    ns = build_parser().parse_args(
+        ["serve", "--metrics-require-key", "--max-request-bytes", "2048"]
+    )
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    config = server_config_from_namespace(ns)
+    assert config.metrics_require_key and config.max_request_bytes == 2048
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        server_config_from_namespace(
+            build_parser().parse_args(["serve", "--max-request-bytes", "1"])
+        )
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_metrics_key_is_required_only_with_the_flag(fake_server, require):
+    opts = {"metrics_require_key": require}
+    with fake_server(api_key="sekret", server_options=opts) as s:
+        with httpx.Client(base_url=s.base_url, timeout=30) as c:
+            open_metrics = c.get("/metrics")
+            if require:
+                assert_error(open_metrics, 401)
+                ok = c.get("/metrics", headers={"Authorization": "Bearer sekret"})
+                assert ok.status_code == 200 and "tinyserve:" in ok.text
+            else:
+                assert open_metrics.status_code == 200
+            assert c.get("/health").status_code == 200  # always open

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -88,13 +89,34 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
+
+        # SIGTERM drains: a stream in flight finishes in full, then the process exits 0.
+        body = {
+            "messages": [{"role": "user", "content": "Count to fifty."}],
+            "max_tokens": 24,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        lines: list[str] = []
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        usage = [json.loads(x[6:]) for x in lines[:-1] if '"usage":{' in x]
+        assert usage and usage[-1]["usage"]["completion_tokens"] == 24
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     text = (tmp_path / "serve.log").read_text()
     assert f"http://127.0.0.1:{port}" in text and "SmolLM2-135M-Instruct" in text
     assert "tokens" in text and re.search(r"request chatcmpl-\w+ finished", text)

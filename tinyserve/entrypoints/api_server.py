@@ -5,18 +5,21 @@ own); ``create_app(engine_args, server_config)`` loads the model first; ``run_se
 the CLI entry. Server state lives on ``app.state``; nothing is global.
 
 With an API key (``--api-key`` or $TINYSERVE_API_KEY) the /v1 routes and /tokenize,
-/detokenize need ``Authorization: Bearer <key>``; /health and /metrics stay open (as vLLM).
+/detokenize need ``Authorization: Bearer <key>``; /health stays open, and /metrics too unless
+``--metrics-require-key``. Bodies over ``--max-request-bytes`` get 413 before they are read.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hmac
 import logging
 import os
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -99,7 +102,66 @@ def _router() -> APIRouter:
     return api
 
 
-def _open_router() -> APIRouter:
+class BodySizeLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, from the
+    Content-Length header when there is one, else while the body streams in."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = OpenAIError(
+            413,
+            f"request body is larger than the server's limit of {self.max_bytes} bytes "
+            "(--max-request-bytes)",
+            "invalid_request_error",
+            code="request_too_large",
+        ).response()
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    if int(value) > self.max_bytes:
+                        return await too_big(scope, receive, send)
+                except ValueError:
+                    pass
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        try:
+            return await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            return await too_big(scope, receive, send)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """An HTTPException so FastAPI's body parsing re-raises it as is (a 413, not a 400)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            413,
+            f"request body is larger than the server's limit of {max_bytes} bytes "
+            "(--max-request-bytes)",
+        )
+
+
+def _metrics_route(api: APIRouter) -> None:
+    @api.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _open_router(with_metrics: bool) -> APIRouter:
     """Routes without the API key (monitoring)."""
     api = APIRouter()
 
@@ -111,10 +173,8 @@ def _open_router() -> APIRouter:
         reason = engine.dead_reason or "the engine is not running"
         return OpenAIError(503, reason, "service_unavailable_error", code="engine_dead").response()
 
-    @api.get("/metrics", response_class=Response)
-    async def metrics(request: Request) -> Response:
-        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
-
+    if with_metrics:
+        _metrics_route(api)
     return api
 
 
@@ -187,13 +247,18 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
         lifespan=lifespan,
     )
     app.state.async_engine = async_engine
-    app.state.serving = OpenAIServing(async_engine, model_name)
+    app.state.serving = OpenAIServing(async_engine, model_name, config.shutdown_timeout)
     app.state.metrics = metrics
     app.state.api_key = config.api_key
+    app.state.max_request_bytes = config.max_request_bytes
     app.state.model_root = str(getattr(source, "path", None) or model_name)
-    app.include_router(_router())
-    app.include_router(_open_router())
+    api = _router()
+    if config.metrics_require_key:
+        _metrics_route(api)
+    app.include_router(api)
+    app.include_router(_open_router(with_metrics=not config.metrics_require_key))
     _install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     return app
 
 
@@ -237,6 +302,23 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="requests allowed to wait beyond --max-num-seqs before answering 429",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=d.max_request_bytes,
+        help="refuse request bodies larger than this with 413",
+    )
+    p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="with --api-key, /metrics needs the key too",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout,
+        help="on SIGTERM, seconds to let in-flight requests finish before exiting",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -254,9 +336,18 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
-def run_server(ns: argparse.Namespace) -> int:
-    import uvicorn
+class _DrainingServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die
+    of the signal; once the drain is done we exit normally (status 0) instead."""
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def run_server(ns: argparse.Namespace) -> int:
     config = server_config_from_namespace(ns)
     if config.max_queued_requests < 0:
         raise SystemExit("--max-queued-requests must be >= 0")
@@ -264,5 +355,14 @@ def run_server(ns: argparse.Namespace) -> int:
     log_level = str(getattr(ns, "log_level", "info")).lower()
     if not logging.getLogger().handlers:  # called without cli.main's logging set-up
         logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level)
+    # On SIGTERM uvicorn stops accepting connections and waits (up to the timeout) for the
+    # in-flight requests; the lifespan then stops the engine thread and the process exits 0.
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=config.shutdown_timeout,
+    )
+    _DrainingServer(uv_config).run()
     return 0

@@ -40,9 +40,13 @@ from tinyserve.sampling_params import SamplingParams
 class OpenAIServing:
     """The handlers behind /v1/chat/completions, /v1/completions, /tokenize, /detokenize."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self, async_engine: AsyncEngine, model_name: str, shutdown_grace_period: float = 30.0
+    ) -> None:
         self.engine = async_engine
         self.model_name = model_name
+        # On SIGTERM, streams in flight get this long to finish (then they are cut).
+        self.shutdown_grace_period = shutdown_grace_period
         self._token_str_cache: dict[int, str] = {}
 
     # -- inputs --------------------------------------------------------------------------------
@@ -181,7 +185,8 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse(
-                self._chat_stream(request_id, streams, params, len(prompt_ids), include_usage)
+                self._chat_stream(request_id, streams, params, len(prompt_ids), include_usage),
+                self.shutdown_grace_period,
             )
         choices = await until_disconnect(raw, collect(streams, params.n), streams)
         result = P.ChatCompletionResponse(
@@ -256,7 +261,7 @@ class OpenAIServing:
             gen = self._completion_stream(
                 request_id, streams, params, prompts, echo_texts, req.echo, include_usage
             )
-            return sse(gen)
+            return sse(gen, self.shutdown_grace_period)
         choices = await until_disconnect(raw, collect(streams, params.n), streams)
         result_choices = []
         for i, c in enumerate(choices):

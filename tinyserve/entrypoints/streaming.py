@@ -128,8 +128,12 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
-def sse(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
-    return EventSourceResponse(_sse_lines(events), sep="\n")
+def sse(events: AsyncIterator[dict[str, Any]], shutdown_grace_period: float) -> EventSourceResponse:
+    # sse-starlette ends every stream at the server's shutdown signal unless given a grace
+    # period: with it, a SIGTERM lets streams in flight finish (the drain).
+    return EventSourceResponse(
+        _sse_lines(events), sep="\n", shutdown_grace_period=shutdown_grace_period
+    )
 
 
 async def _sse_lines(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

@@ -239,3 +239,22 @@ def test_metrics_key_is_required_only_with_the_flag(fake_server, require):
             else:
                 assert open_metrics.status_code == 200
             assert c.get("/health").status_code == 200  # always open
+
+
+@pytest.mark.parametrize("log_requests", [False, True])
+def test_prompts_and_key_stay_out_of_logs(fake_server, caplog, log_requests):
+    """Prompts are logged only with --log-requests; the API key never is."""
+    secret_prompt = "my-private-prompt-4711"
+    opts = {"log_requests": log_requests}
+    with caplog.at_level("DEBUG"), fake_server(api_key="sekret-key-99", server_options=opts) as s:
+        with httpx.Client(base_url=s.base_url, timeout=30) as c:
+            headers = {"Authorization": "Bearer sekret-key-99"}
+            body = {"messages": [{"role": "user", "content": secret_prompt}], "max_tokens": 2}
+            assert c.post(CHAT, json=body, headers=headers).status_code == 200
+            assert (
+                c.post(CHAT, json=body, headers={"Authorization": "Bearer wrong"}).status_code
+                == 401
+            )
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "sekret-key-99" not in text and "wrong" not in text
+    assert (secret_prompt in text) == log_requests

@@ -247,7 +247,9 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
         lifespan=lifespan,
     )
     app.state.async_engine = async_engine
-    app.state.serving = OpenAIServing(async_engine, model_name, config.shutdown_timeout)
+    app.state.serving = OpenAIServing(
+        async_engine, model_name, config.shutdown_timeout, log_requests=config.log_requests
+    )
     app.state.metrics = metrics
     app.state.api_key = config.api_key
     app.state.max_request_bytes = config.max_request_bytes
@@ -300,6 +302,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=d.max_queued_requests,
         help="requests allowed to wait beyond --max-num-seqs before answering 429",
+    )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log each request's body (prompts included); off by default",
     )
     p.add_argument(
         "--max-request-bytes",

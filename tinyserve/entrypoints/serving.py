@@ -9,6 +9,7 @@ events ending with ``data: [DONE]``; a failure after streaming began is sent as 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,15 +37,23 @@ from tinyserve.entrypoints.streaming import (
 )
 from tinyserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class OpenAIServing:
     """The handlers behind /v1/chat/completions, /v1/completions, /tokenize, /detokenize."""
 
     def __init__(
-        self, async_engine: AsyncEngine, model_name: str, shutdown_grace_period: float = 30.0
+        self,
+        async_engine: AsyncEngine,
+        model_name: str,
+        shutdown_grace_period: float = 30.0,
+        log_requests: bool = False,
     ) -> None:
         self.engine = async_engine
         self.model_name = model_name
+        # Prompts and bodies reach the log only when asked (--log-requests): they are user data.
+        self.log_requests = log_requests
         # On SIGTERM, streams in flight get this long to finish (then they are cut).
         self.shutdown_grace_period = shutdown_grace_period
         self._token_str_cache: dict[int, str] = {}
@@ -130,6 +139,10 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise bad_request(e) from None
 
+    def _log_request(self, request_id: str, req) -> None:
+        if self.log_requests:
+            logger.info("request %s: %s", request_id, req.model_dump_json(exclude_none=True))
+
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         try:
             return self.engine.add_request(request_id, prompt_ids, params)
@@ -181,6 +194,7 @@ class OpenAIServing:
         )
         prompt_ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._log_request(request_id, req)
         streams = self.add_all(request_id, [prompt_ids], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -253,6 +267,7 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
         prompts = self.completion_prompts(req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        self._log_request(request_id, req)
         streams = self.add_all(request_id, prompts, params)
         num_prompt_tokens = sum(len(p) for p in prompts)
         echo_texts = [self.tokenizer.decode(p) if req.echo else "" for p in prompts]

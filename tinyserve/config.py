@@ -6,7 +6,7 @@ No torch here: the scheduler and the KV-cache manager import this module.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -212,7 +212,6 @@ class ServerConfig:
     metrics_require_key: bool = False
     # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
     shutdown_timeout: float = 30.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:

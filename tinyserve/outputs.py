@@ -17,13 +17,6 @@ class ScheduledRequest:
     block_ids: list[int]
 
     @property
-    def is_prefill(self) -> bool:
-        """True while the prompt (or a recompute after preemption) is still being filled."""
-        return self.request.num_computed_tokens + self.num_new_tokens < self.request.num_tokens or (
-            self.num_new_tokens > 1
-        )
-
-    @property
     def samples(self) -> bool:
         """A request samples a token when this step brings it level with all its tokens."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens

@@ -83,8 +83,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.kv_capacity_tokens = capacity
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._children: dict[str, list[str]] = {}  # parent id -> child request ids
-        self._parent: dict[str, str] = {}
+        # Parent id -> ids of its live child requests (a child knows its parent: parent_id).
+        self._children: dict[str, list[str]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -178,7 +178,6 @@ class LLMEngine:
                 self._detokenizers[rid] = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, child_params
                 )
-            self._parent[rid] = request_id
             self.scheduler.add_request(req)
         self._children[request_id] = ids
 
@@ -189,7 +188,7 @@ class LLMEngine:
             return False
         for rid in ids:
             self.scheduler.abort_request(rid)
-            self._forget(rid)
+            self._detokenizers.pop(rid, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -253,11 +252,11 @@ class LLMEngine:
             stop_reason=req.stop_reason,
         )
         if req.is_finished:
-            self._forget(rid)
+            self._forget(req)
         return out
 
     def _error_output(self, req: Request) -> StepOutput:
-        self._forget(req.request_id)
+        self._forget(req)
         return StepOutput(
             request_id=req.parent_id or req.request_id,
             index=req.index,
@@ -269,15 +268,14 @@ class LLMEngine:
             error=req.error or "internal error",
         )
 
-    def _forget(self, rid: str) -> None:
-        self._detokenizers.pop(rid, None)
-        parent = self._parent.pop(rid, None)
-        if parent is not None and parent in self._children:
-            live = [c for c in self._children[parent] if c in self._parent]
-            if live:
-                self._children[parent] = live
-            else:
-                del self._children[parent]
+    def _forget(self, req: Request) -> None:
+        """Drop a finished child's per-request state; the parent goes with its last child."""
+        self._detokenizers.pop(req.request_id, None)
+        live = self._children.get(req.parent_id)
+        if live is not None and req.request_id in live:
+            live.remove(req.request_id)
+            if not live:
+                del self._children[req.parent_id]
 
     # -- observability -------------------------------------------------------------------------
 

@@ -31,9 +31,8 @@ class AttentionGroup:
     """A rectangle of sequences computed by one SDPA call."""
 
     token_index: torch.Tensor  # [num_seqs, max_query_len] rows of the flat batch (0 for padding)
-    valid: torch.Tensor  # [num_seqs, max_query_len] bool, False for padding
-    out_rows: torch.Tensor  # [num_valid] flat rows, in token_index[valid] order
-    valid_index: torch.Tensor  # [num_valid] positions of the valid entries in valid.view(-1)
+    out_rows: torch.Tensor  # [num_valid] flat rows of the real (unpadded) queries, row-major
+    valid_index: torch.Tensor  # [num_valid] where those queries sit in token_index.view(-1)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] (0 for padding; masked out)
     # [num_seqs, 1, max_query_len, max_blocks * block_size], additive: 0 visible, -inf not.
     # Additive in the model dtype so SDPA does not convert a boolean mask in every layer.
@@ -73,52 +72,70 @@ class AttentionMetadata:
                 "query_lens, seq_lens and block_tables must have one entry per sequence"
             )
         query_start_loc = [0]
-        slots: list[int] = []
         for ql, sl, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if ql < 1 or sl < ql:
                 raise ValueError(f"bad sequence: query_len={ql}, seq_len={sl}")
             if len(table) * block_size < sl:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {sl} tokens")
             query_start_loc.append(query_start_loc[-1] + ql)
-            for pos in range(sl - ql, sl):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        decode = [i for i, ql in enumerate(query_lens) if ql == 1]
-        prefill = [i for i, ql in enumerate(query_lens) if ql > 1]
-        groups = [
-            _build_group(
-                ids, query_lens, seq_lens, block_tables, query_start_loc, block_size, device, dtype
-            )
-            for ids in (decode, prefill)
-            if ids
-        ]
-        return cls(slot_mapping, query_start_loc, list(seq_lens), block_tables, block_size, groups)
+        # Everything below is tensor ops over the whole step: no per-token Python loop.
+        max_blocks = max(-(-sl // block_size) for sl in seq_lens)
+        tables = torch.tensor(  # [num_seqs, max_blocks], padded with block 0 (masked out)
+            [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables],
+            dtype=torch.int64,
+        )
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = torch.tensor(query_start_loc[:-1], dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        positions = (
+            torch.arange(query_start_loc[-1])
+            - starts[seq_of_token]
+            + (s_lens - q_lens)[seq_of_token]
+        )
+        slot_mapping = (
+            tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        )
+        groups = []
+        for is_decode in (True, False):
+            rows = [i for i, ql in enumerate(query_lens) if (ql == 1) == is_decode]
+            if rows:
+                idx = torch.tensor(rows, dtype=torch.int64)
+                groups.append(
+                    _build_group(
+                        q_lens[idx],
+                        s_lens[idx],
+                        starts[idx],
+                        tables[idx],
+                        block_size,
+                        device,
+                        dtype,
+                    )
+                )
+        return cls(
+            slot_mapping.to(device),
+            query_start_loc,
+            list(seq_lens),
+            block_tables,
+            block_size,
+            groups,
+        )
 
 
 def _build_group(
-    seq_ids: list[int],
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    query_start_loc: list[int],
+    q_lens: torch.Tensor,  # [n]
+    s_lens: torch.Tensor,  # [n]
+    starts: torch.Tensor,  # [n] first flat row of each sequence
+    tables: torch.Tensor,  # [n, max_blocks] of the whole step
     block_size: int,
     device: torch.device | str,
     dtype: torch.dtype,
 ) -> AttentionGroup:
-    n = len(seq_ids)
-    max_q = max(query_lens[i] for i in seq_ids)
-    max_blocks = max((seq_lens[i] + block_size - 1) // block_size for i in seq_ids)
-    token_index = torch.zeros(n, max_q, dtype=torch.int64)
-    tables = torch.zeros(n, max_blocks, dtype=torch.int64)
-    q_lens = torch.tensor([query_lens[i] for i in seq_ids], dtype=torch.int64)
-    s_lens = torch.tensor([seq_lens[i] for i in seq_ids], dtype=torch.int64)
-    for row, i in enumerate(seq_ids):
-        ql = query_lens[i]
-        token_index[row, :ql] = torch.arange(query_start_loc[i], query_start_loc[i] + ql)
-        nb = (seq_lens[i] + block_size - 1) // block_size
-        tables[row, :nb] = torch.tensor(block_tables[i][:nb], dtype=torch.int64)
+    max_q = int(q_lens.max())
+    max_blocks = -(-int(s_lens.max()) // block_size)
     q_pos = torch.arange(max_q)
-    valid = q_pos[None, :] < q_lens[:, None]  # [n, max_q]
+    valid = q_pos[None, :] < q_lens[:, None]  # [n, max_q], False for padding
+    token_index = torch.where(valid, starts[:, None] + q_pos[None, :], 0)
     # Absolute position of each query row; padding rows get the last real position so
     # their mask row is never empty (an all-False row would give NaN).
     abs_pos = (s_lens - q_lens)[:, None] + torch.minimum(q_pos[None, :], (q_lens - 1)[:, None])
@@ -126,13 +143,11 @@ def _build_group(
     visible = (k_pos[None, None, :] <= abs_pos[:, :, None]) & (
         k_pos[None, None, :] < s_lens[:, None, None]
     )
-    out_rows = token_index[valid]
     return AttentionGroup(
         token_index=token_index.to(device),
-        valid=valid.to(device),
-        out_rows=out_rows.to(device),
+        out_rows=token_index[valid].to(device),
         valid_index=valid.view(-1).nonzero().squeeze(1).to(device),
-        block_tables=tables.to(device),
+        block_tables=tables[:, :max_blocks].contiguous().to(device),
         attn_mask=torch.zeros(visible.shape, dtype=dtype)
         .masked_fill_(~visible, float("-inf"))
         .unsqueeze(1)

@@ -44,7 +44,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
-        sampling: list = []  # (request, row)
+        sampling: list = []  # the requests that sample, in logits-row order
         for item in sched.scheduled:
             req = item.request
             start = req.num_computed_tokens

@@ -67,8 +67,11 @@ class FakeEngine:
                 f"the context window of {self.max_model_len} tokens"
             )
 
-    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None) -> None:
-        self.validate_request(prompt_token_ids, params)
+    def add_request(
+        self, request_id, prompt_token_ids, params, arrival_time=None, validated=False
+    ) -> None:
+        if not validated:
+            self.validate_request(prompt_token_ids, params)
         n = len(prompt_token_ids)
         max_tokens = params.max_tokens or self.max_model_len - n
         for i in range(params.n):

@@ -206,7 +206,7 @@ def test_body_over_max_request_bytes_is_413(fake_server):
                 yield big[i : i + 65536].encode()
 
         r = c.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
-        assert_error(r, 413)
+        assert assert_error(r, 413)["code"] == err["code"] == "request_too_large"
         # A body under the limit still works, and the server stays healthy.
         ok = c.post(CHAT, json={"messages": MSGS, "max_tokens": 2})
         assert ok.status_code == 200, ok.text

@@ -212,9 +212,6 @@ class AsyncEngine:
         """The engine's stats as of its last step boundary (a snapshot; safe from any thread)."""
         return self._stats
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate_request(prompt_token_ids, params)
-
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestStream:
@@ -352,8 +349,8 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt, params, arrival = cmd
                 try:
-                    engine.add_request(rid, prompt, params, arrival_time=arrival)
-                except ValueError as e:  # validated on the loop side; only a race gets here
+                    engine.add_request(rid, prompt, params, arrival_time=arrival, validated=True)
+                except ValueError as e:  # e.g. a duplicate id
                     self._call_in_loop(self._fail_request, rid, RequestFailedError(str(e)))
             else:
                 engine.abort(cmd[1])

@@ -153,10 +153,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        validated: bool = False,
     ) -> None:
+        """``validated=True``: the caller already ran validate_request (the async front does,
+        on the event loop), so the engine thread does not walk the prompt a second time."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        self.validate_request(prompt_token_ids, params)
+        if not validated:
+            self.validate_request(prompt_token_ids, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         for i, rid in enumerate(ids):

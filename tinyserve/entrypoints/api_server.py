@@ -113,20 +113,9 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = OpenAIError(
-            413,
-            f"request body is larger than the server's limit of {self.max_bytes} bytes "
-            "(--max-request-bytes)",
-            "invalid_request_error",
-            code="request_too_large",
-        ).response()
         for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    if int(value) > self.max_bytes:
-                        return await too_big(scope, receive, send)
-                except ValueError:
-                    pass
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await _too_large(self.max_bytes).response()(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -134,25 +123,29 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > self.max_bytes:  # answered by the app's HTTPException handler
                     raise _BodyTooLarge(self.max_bytes)
             return message
 
-        try:
-            return await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            return await too_big(scope, receive, send)
+        return await self.app(scope, limited_receive, send)
+
+
+def _too_large(max_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"request body is larger than the server's limit of {max_bytes} bytes "
+        "(--max-request-bytes)",
+        "invalid_request_error",
+        code="request_too_large",
+    )
 
 
 class _BodyTooLarge(StarletteHTTPException):
     """An HTTPException so FastAPI's body parsing re-raises it as is (a 413, not a 400)."""
 
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(
-            413,
-            f"request body is larger than the server's limit of {max_bytes} bytes "
-            "(--max-request-bytes)",
-        )
+        super().__init__(413)
+        self.max_bytes = max_bytes
 
 
 def _metrics_route(api: APIRouter) -> None:
@@ -205,6 +198,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, _BodyTooLarge):
+            return _too_large(exc.max_bytes).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         err = OpenAIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
         return err.response()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
-from conftest import MODEL, sse_events
+from conftest import MODEL, sse_events, wait_until
 
 from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
@@ -142,6 +143,34 @@ def test_api_key(fake_server):
                 c.models.list()
 
 
+def test_api_key_guards_every_route_but_health_and_metrics(fake_server):
+    from starlette.routing import Route
+
+    def all_routes(routes):  # FastAPI keeps an included router's routes on the router
+        for r in routes:
+            inner = getattr(r, "original_router", None)
+            yield from all_routes(inner.routes) if inner is not None else [r]
+
+    with fake_server(api_key="s3cret") as s:
+        checked = []
+        for route in all_routes(s.app.routes):
+            if not isinstance(route, Route):
+                continue
+            for method in sorted(route.methods - {"HEAD"}):
+                r = httpx.request(method, s.url(route.path), json={})
+                if route.path in ("/health", "/metrics"):
+                    assert r.status_code == 200, (method, route.path)
+                else:
+                    assert_error(r, 401)
+                    checked.append(f"{method} {route.path}")
+        assert {"POST /v1/chat/completions", "GET /openapi.json", "GET /docs"} <= set(checked)
+        assert len(checked) == 7, checked
+        good = {"Authorization": "Bearer s3cret"}
+        schema = httpx.get(s.url("/openapi.json"), headers=good).json()
+        assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]
+        assert "swagger" in httpx.get(s.url("/docs"), headers=good).text.lower()
+
+
 def test_api_key_from_env(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     ns = build_parser().parse_args(["serve"])
@@ -183,6 +212,9 @@ def test_dead_engine_is_503(fake_server):
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             s.engine.explode = True
+            t0 = time.monotonic()
+            dead = wait_until(lambda: httpx.get(s.url("/health")).status_code == 503, 1.0)
+            assert dead and time.monotonic() - t0 < 1.0  # within a second of the thread dying
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == "engine_dead"

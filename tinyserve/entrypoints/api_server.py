@@ -4,9 +4,9 @@
 own); ``create_app(engine_args, server_config)`` loads the model first; ``run_server(ns)`` is
 the CLI entry. Server state lives on ``app.state``; nothing is global.
 
-With an API key (``--api-key`` or $TINYSERVE_API_KEY) the /v1 routes and /tokenize,
-/detokenize need ``Authorization: Bearer <key>``; /health stays open, and /metrics too unless
-``--metrics-require-key``. Bodies over ``--max-request-bytes`` get 413 before they are read.
+With an API key (``--api-key`` or $TINYSERVE_API_KEY) every route needs
+``Authorization: Bearer <key>`` (the /v1 routes, /tokenize, /detokenize, /openapi.json, /docs)
+but /health, and /metrics unless ``--metrics-require-key``. Bodies over ``--max-request-bytes`` get 413 before they are read.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -98,6 +99,15 @@ def _router() -> APIRouter:
     @api.post("/detokenize", response_model=P.DetokenizeResponse)
     async def detokenize(body: P.DetokenizeRequest, request: Request) -> P.DetokenizeResponse:
         return _serving(request).detokenize(body)
+
+    # The OpenAPI document and its viewer sit behind the key too (FastAPI's own are off).
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="tinyserve API")
 
     return api
 
@@ -240,6 +250,9 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
         summary="OpenAI-compatible inference server",
         version="0.1.0",
         lifespan=lifespan,
+        openapi_url=None,  # served by _router(), behind the API key
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.async_engine = async_engine
     app.state.serving = OpenAIServing(

@@ -7,20 +7,45 @@ server and the offline API give the same messages.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tinyserve.engine.async_engine import EngineDeadError, QueueFullError
 from tinyserve.outputs import TokenLogprob
 
 
+def _check_unicode(value: Any) -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which Python decodes into a str that
+    cannot be encoded back to UTF-8: the tokenizer and the response encoder would fail on it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone UTF-16 surrogate: send valid Unicode") from None
+    elif isinstance(value, list):
+        for v in value:
+            if isinstance(v, (str, list, dict)):
+                _check_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
 
 
 class _Response(BaseModel):
@@ -62,7 +87,14 @@ class OpenAIError(Exception):
         return {"error": info.model_dump()}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message that quotes odd input always encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
@@ -98,24 +130,34 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+def _range(description: str | None = None, **bounds: float) -> dict[str, Any]:
+    """Document a value range in the OpenAPI schema without enforcing it in pydantic: the
+    check (and its message) stays in SamplingParams, shared with the offline API."""
+    return {"description": description, "json_schema_extra": bounds}
+
+
 class _SamplingFields(_Request):
     """Fields shared by chat and completions; None means "the default"."""
 
     model: str | None = Field(None, description="The served model name (optional: default model)")
-    n: int = Field(1, description="Choices to generate for each prompt")
-    temperature: float | None = Field(None, description="0 = greedy (default 1.0)")
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="-1 or 0 disables top-k")
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(1, **_range("Choices to generate for each prompt", minimum=1, maximum=16))
+    temperature: float | None = Field(None, **_range("0 = greedy (default 1.0)", minimum=0))
+    top_p: float | None = Field(None, **_range(exclusiveMinimum=0, maximum=1))
+    top_k: int | None = Field(None, **_range("-1 or 0 disables top-k", minimum=-1))
+    min_p: float | None = Field(None, **_range(minimum=0, maximum=1))
+    seed: int | None = Field(None, **_range(minimum=-(2**63), maximum=2**63 - 1))
+    stop: str | list[str] | None = Field(
+        None, description="Up to 64 non-empty strings of at most 512 characters"
+    )
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias")
+    presence_penalty: float | None = Field(None, **_range(minimum=-2, maximum=2))
+    frequency_penalty: float | None = Field(None, **_range(minimum=-2, maximum=2))
+    repetition_penalty: float | None = Field(None, **_range(exclusiveMinimum=0, maximum=10))
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, **_range(minimum=0))
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -139,12 +181,14 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens")
+    max_tokens: int | None = Field(
+        None, **_range("Deprecated alias of max_completion_tokens", minimum=1)
+    )
     max_completion_tokens: int | None = Field(
-        None, description="Default: whatever room the context window leaves (as vLLM)"
+        None, **_range("Default: whatever room the context window leaves (as vLLM)", minimum=1)
     )
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, description="0-20; needs logprobs=true")
+    top_logprobs: int | None = Field(None, **_range("Needs logprobs=true", minimum=0, maximum=20))
     add_generation_prompt: bool = True
 
 
@@ -197,8 +241,10 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="Text, a list of texts, token ids or a list of token-id lists"
     )
-    max_tokens: int | None = Field(16, description="Default 16, as OpenAI and vLLM")
-    logprobs: int | None = Field(None, description="Top alternatives per token (0-20)")
+    max_tokens: int | None = Field(16, **_range("Default 16, as OpenAI and vLLM", minimum=1))
+    logprobs: int | None = Field(
+        None, **_range("Top alternatives per token", minimum=0, maximum=20)
+    )
     echo: bool = False
     suffix: str | None = None
 

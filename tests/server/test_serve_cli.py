@@ -120,3 +120,43 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
     text = (tmp_path / "serve.log").read_text()
     assert f"http://127.0.0.1:{port}" in text and "SmolLM2-135M-Instruct" in text
     assert "tokens" in text and re.search(r"request chatcmpl-\w+ finished", text)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
+    smollm2_gguf_path, tmp_path
+):
+    from soak import start_server
+
+    grace = 2.0
+    server = start_server(
+        ["--model", str(smollm2_gguf_path), "--shutdown-timeout", str(grace)],
+        tmp_path / "serve.log",
+    )
+    body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    events, t_signal, refused = 0, None, None
+    try:
+        try:
+            with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    events += line.startswith("data: ")
+                    if events == 2 and t_signal is None:
+                        server.proc.send_signal(signal.SIGTERM)
+                        t_signal = time.monotonic()
+                        time.sleep(0.5)
+                        try:  # no longer admitting: the listening socket is closed
+                            httpx.post(server.base_url + "/v1/completions", json=body, timeout=5)
+                            refused = False
+                        except httpx.ConnectError:
+                            refused = True
+        except httpx.RemoteProtocolError:
+            pass  # the server cut the stream at the end of the grace period
+        ended = time.monotonic() - t_signal
+        assert server.proc.wait(30) == 0, server.log()[-3000:]
+        exited = time.monotonic() - t_signal
+    finally:
+        server.stop()
+    assert refused is True
+    assert 2 < events < 200  # cut long before its 2000 tokens
+    assert grace - 0.5 < ended < grace + 5, ended  # the stream ran on through the grace period
+    assert exited < grace + 10, exited

@@ -31,7 +31,9 @@ def _shared_weights():
 
     real_load_model, real_load_tokenizer = loader.load_model, loader.load_tokenizer
 
-    def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None):
+    def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None, tp=None):
+        if tp is not None and tp.size > 1:  # a shard belongs to its process group
+            return real_load_model(model, dtype, device, max_position=max_position, tp=tp)
         key = (str(model), dtype, str(device), max_position)
         if key not in _models:
             _models[key] = real_load_model(model, dtype, device, max_position=max_position)

@@ -19,7 +19,9 @@ class PagedRunner:
     def __init__(self, model, block_size: int, num_blocks: int = 256, seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype)
+        self.kv_caches = allocate_kv_cache(
+            model.config, num_blocks, block_size, model.dtype, tp_size=model.tp.size
+        )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}

@@ -23,6 +23,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "continuous"  # or "static" (gang), for the benchmarks
     load_tokenizer: bool = True
+    tensor_parallel_size: int = 1  # ranks the model is split over (docs/scaling.md)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -67,4 +68,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over N processes / devices (torch.distributed; see docs/scaling.md)",
     )

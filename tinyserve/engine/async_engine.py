@@ -188,11 +188,19 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        alive = self._dead is None and self._thread is not None and self._thread.is_alive()
+        return alive and self._engine_problem() is None
 
     @property
     def dead_reason(self) -> str | None:
-        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
+        if self._dead is None:
+            return self._engine_problem()
+        return f"{type(self._dead).__name__}: {self._dead}"
+
+    def _engine_problem(self) -> str | None:
+        """What the engine itself reports (a dead tensor-parallel worker), or None."""
+        check = getattr(self.engine, "health_problem", None)
+        return check() if check is not None else None
 
     # -- the loop-thread API ------------------------------------------------------------------
 
@@ -357,13 +365,17 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        # With worker processes, wake up now and then to notice one dying while idle.
+        poll = 0.5 if getattr(engine, "tp_driver", None) is not None else None
         try:
             while not self._stop:
                 self._wakeup.clear()
+                if (problem := self._engine_problem()) is not None:
+                    raise RuntimeError(problem)
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     self._stats = engine.stats()
-                    self._wakeup.wait()  # idle: sleep until add/abort/shutdown sets the event
+                    self._wakeup.wait(poll)  # idle: sleep until add/abort/shutdown sets it
                     continue
                 outputs = engine.step()
                 now = time.monotonic()
@@ -374,6 +386,17 @@ class AsyncEngine:
             logger.exception("engine thread died; failing every pending request")
             self._dead = e
             self._call_in_loop(self._fail_all, EngineDeadError(f"the engine has stopped: {e}"))
+            self._close_engine()
             return
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self._call_in_loop(self._fail_all, EngineDeadError("the engine was shut down"))
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Release what the engine holds outside this process (tensor-parallel workers)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                logger.exception("closing the engine failed")

@@ -6,6 +6,7 @@ engine thread, or the offline LLM's caller).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import time
@@ -37,20 +38,51 @@ class EngineStats:
     generation_tokens_total: int
 
 
+def worker_spec(args: EngineArgs):
+    """What a tensor-parallel worker rank needs from the engine's arguments."""
+    from tinyserve.worker.tp_worker import WorkerSpec
+
+    return WorkerSpec(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
-        from tinyserve.models.loader import load_model, load_tokenizer
+        from tinyserve.distributed.parallel_state import TPGroup
         from tinyserve.worker.device import resolve_device, resolve_dtype
-        from tinyserve.worker.kv_cache import bytes_per_block, num_blocks_for
-        from tinyserve.worker.model_runner import ModelRunner
 
         args = dataclasses.replace(args or EngineArgs(), **kwargs)
+        if args.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {args.tensor_parallel_size}")
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         t0 = time.monotonic()
+        self.tp_driver = (
+            self._start_tensor_parallel(args) if args.tensor_parallel_size > 1 else None
+        )
+        tp = self.tp_driver.group if self.tp_driver else TPGroup(device=self.device)
+        if self.tp_driver is not None:
+            atexit.register(self.close)
+        try:
+            self._build(args, tp, t0)
+        except BaseException:
+            self.close()  # the workers wait for the block count: release them
+            raise
+
+    def _build(self, args: EngineArgs, tp, t0: float) -> None:
+        from tinyserve.models.loader import load_model, load_tokenizer
+        from tinyserve.worker.kv_cache import bytes_per_block, num_blocks_for
+        from tinyserve.worker.model_runner import ModelRunner
+
         self.model, self.source = load_model(
-            args.model, self.dtype, self.device, max_position=args.max_model_len
+            args.model, self.dtype, tp.device, max_position=args.max_model_len, tp=tp
         )
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(self.source) if args.load_tokenizer else None
@@ -60,7 +92,7 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
         )
-        num_blocks = num_blocks_for(self.model_config, cache_config, self.dtype)
+        num_blocks = num_blocks_for(self.model_config, cache_config, self.dtype, tp.size)
         capacity = num_blocks * args.block_size
         max_model_len = self._resolve_max_model_len(args.max_model_len, capacity)
         self.max_model_len = max_model_len
@@ -76,7 +108,9 @@ class LLMEngine:
             num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, cache_config, self.kv_cache_manager)
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        tp.broadcast(num_blocks)  # the other ranks allocate the same number of blocks
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, tp.device)
+        tp.barrier()
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -88,7 +122,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_scheduler_output: SchedulerOutput | None = None
-        kv_bytes = num_blocks * bytes_per_block(self.model_config, args.block_size, self.dtype)
+        kv_bytes = num_blocks * bytes_per_block(
+            self.model_config, args.block_size, self.dtype, tp.size
+        )
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), KV cache %d blocks x %d = %d tokens (%.0f MiB), "
             "max_model_len %d",
@@ -102,6 +138,39 @@ class LLMEngine:
             kv_bytes / 2**20,
             max_model_len,
         )
+
+    @staticmethod
+    def _start_tensor_parallel(args: EngineArgs):
+        from tinyserve.distributed.parallel_state import check_tp_divisible
+        from tinyserve.models.loader import load_model_config, resolve_model_source
+        from tinyserve.worker.device import resolve_device
+        from tinyserve.worker.tp_worker import start_tensor_parallel
+
+        # A size that does not divide the heads fails here, before any process starts.
+        config, _ = load_model_config(resolve_model_source(args.model))
+        check_tp_divisible(config, args.tensor_parallel_size)
+        return start_tensor_parallel(worker_spec(args), resolve_device(args.device))
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker died), or None."""
+        return self.tp_driver.health_problem() if self.tp_driver is not None else None
+
+    def close(self) -> None:
+        """Release the tensor-parallel workers (they exit) and the process group. Idempotent;
+        a no-op without tensor parallel."""
+        driver = self.tp_driver
+        if driver is None or driver.closed:
+            return
+        if driver.health_problem() is None:
+            runner = getattr(self, "runner", None)
+            try:
+                if runner is not None:
+                    runner.stop_workers()
+                else:  # failed before the runner existed: the workers wait for the block count
+                    driver.group.broadcast(None)
+            except Exception:  # noqa: BLE001 - a broken group: the workers die with it
+                logger.warning("could not stop the tensor-parallel workers cleanly")
+        driver.close()
 
     def _resolve_max_model_len(self, requested: int | None, capacity: int) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -201,12 +270,18 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if (problem := self.health_problem()) is not None:
+            from tinyserve.worker.tp_worker import WorkerDiedError
+
+            raise WorkerDiedError(problem)
         sched = self.scheduler.schedule()
         self.last_scheduler_output = sched
         outputs: list[StepOutput] = []
         try:
             runner_out = self.runner.execute(sched)
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine
+            if self.tp_driver is not None:
+                raise  # the ranks may be out of step: the group cannot go on
             logger.exception("step failed; failing its %d requests", len(sched.scheduled))
             runner_out = ModelRunnerOutput()
             for item in sched.scheduled:

@@ -77,7 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(ns.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if _is_torchrun_worker(ns):
+        return 0
     return int(ns.func(ns) or 0)
+
+
+def _is_torchrun_worker(ns: argparse.Namespace) -> bool:
+    """Under torchrun, ranks > 0 of `serve` / `generate` serve the model shard to rank 0
+    (which runs the command itself) and exit when it stops."""
+    if getattr(ns, "tensor_parallel_size", 1) == 1:
+        return False
+    from tinyserve.engine.llm_engine import worker_spec
+    from tinyserve.worker.tp_worker import run_torchrun_worker
+
+    return run_torchrun_worker(worker_spec(EngineArgs.from_namespace(ns)))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ The two differ only by config flags: q/k/v bias (Qwen2), tied or separate LM hea
 scaling. q/k/v and gate/up are fused into one matrix each (one GEMM instead of three/two);
 the loader's name table maps checkpoint tensors into the fused shards.
 
+Tensor parallel (Megatron): with a ``TPGroup`` of size N, each rank holds 1/N of the heads
+(q/k/v and gate/up split by output rows: column-parallel) and of o_proj / down_proj's input
+columns (row-parallel); each of those two ends with one all-reduce, so a layer costs exactly
+two. Embedding, norms and the LM head are replicated; the hidden states are the same on
+every rank.
+
 The model sees tensors only: flat ``input_ids``/``positions`` for the step's tokens, the
 per-layer paged KV cache and an :class:`AttentionMetadata`. It never sees requests.
 """
@@ -15,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.config import ModelConfig
+from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
 from tinyserve.layers.activation import silu_and_mul
 from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
 from tinyserve.layers.norm import RMSNorm
@@ -29,12 +36,14 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
         self.qkv_proj = nn.Module()
@@ -62,30 +71,31 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+        return self.tp.all_reduce(F.linear(o.reshape(-1, self.q_size), self.o_proj.weight))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
+        inter = config.intermediate_size // tp.size  # this rank's share of the MLP width
         self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = _param(
-            2 * config.intermediate_size, config.hidden_size, dtype=dtype
-        )
+        self.gate_up_proj.weight = _param(2 * inter, config.hidden_size, dtype=dtype)
         self.down_proj = nn.Module()
-        self.down_proj.weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.down_proj.weight = _param(config.hidden_size, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        h = silu_and_mul(F.linear(x, self.gate_up_proj.weight))
+        return self.tp.all_reduce(F.linear(h, self.down_proj.weight))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp)
 
     def forward(self, x, cos_sin, kv_cache, meta):
         h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
@@ -99,12 +109,14 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         max_position: int | None = None,
         rope_inv_freq: torch.Tensor | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPGroup()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -133,11 +145,14 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         max_position: int | None = None,
         rope_inv_freq: torch.Tensor | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp or TPGroup()
+        check_tp_divisible(config, self.tp.size)
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, max_position, rope_inv_freq)
+        self.model = LlamaModel(config, dtype, max_position, rope_inv_freq, self.tp)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)

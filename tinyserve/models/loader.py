@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tinyserve.config import ModelConfig
+from tinyserve.distributed.parallel_state import TPGroup
 from tinyserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -313,8 +314,10 @@ def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------- weights -> model
 
 
-def _shard_slice(config: ModelConfig, shard: str) -> tuple[int, int]:
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+def _shard_slice(config: ModelConfig, shard: str, tp_size: int = 1) -> tuple[int, int]:
+    """(offset, rows) of a shard inside this rank's fused parameter."""
+    q, kv = config.q_size // tp_size, config.kv_size // tp_size
+    inter = config.intermediate_size // tp_size
     return {
         "q": (0, q),
         "k": (q, kv),
@@ -322,6 +325,26 @@ def _shard_slice(config: ModelConfig, shard: str) -> tuple[int, int]:
         "gate": (0, inter),
         "up": (inter, inter),
     }[shard]
+
+
+# Row-parallel weights are split along their input columns; the column-parallel (fused)
+# shards along their output rows; everything else is replicated on every rank.
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def tp_shard(
+    target: str, shard: str | None, tensor: torch.Tensor, config: ModelConfig, rank: int, size: int
+) -> torch.Tensor:
+    """This rank's slice of a (full) checkpoint tensor that fills ``target``/``shard``."""
+    if size == 1:
+        return tensor
+    if shard is not None:  # q/k/v, gate/up: rows, whole heads per rank
+        rows = tensor.shape[0] // size
+        return tensor.narrow(0, rank * rows, rows)
+    if target.rsplit(".", 2)[-2] in _ROW_PARALLEL and target.endswith(".weight"):
+        cols = tensor.shape[1] // size
+        return tensor.narrow(1, rank * cols, cols)
+    return tensor
 
 
 def map_checkpoint_name(name: str) -> tuple[str, str | None]:
@@ -353,6 +376,7 @@ def load_weights(
     """Copy (name, tensor, file) triples into the model; every parameter (and every shard of a
     fused one) must be filled exactly once. Raises ValueError naming the file and tensor."""
     config = model.config
+    rank, size = model.tp.rank, model.tp.size
     params = dict(model.named_parameters())
     needed: set[tuple[str, str | None]] = set()
     for pname in params:
@@ -376,8 +400,17 @@ def load_weights(
             continue
         dest = param.data
         if shard is not None:
-            offset, size = _shard_slice(config, shard)
-            dest = dest.narrow(0, offset, size)
+            offset, rows = _shard_slice(config, shard, size)
+            dest = dest.narrow(0, offset, rows)
+        if size > 1:
+            full = tuple(tensor.shape)
+            tensor = tp_shard(target, shard, tensor, config, rank, size)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"{file}: tensor {name} has shape {list(full)}; its rank-{rank} slice of "
+                    f"{size} is {list(tensor.shape)} but the config ({where}) expects "
+                    f"{list(dest.shape)}"
+                )
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(
                 f"{file}: tensor {name} has shape {list(tensor.shape)} but the config "
@@ -398,12 +431,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_position: int | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSource]:
-    """Resolve, build and fill the model. The tokenizer is loaded separately (load_tokenizer)."""
+    """Resolve, build and fill the model (this rank's shard of it under tensor parallel).
+    The tokenizer is loaded separately (load_tokenizer)."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = _GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, inv_freq = load_model_config(source, ckpt)
-    net = LlamaForCausalLM(config, dtype=dtype, max_position=max_position, rope_inv_freq=inv_freq)
+    net = LlamaForCausalLM(
+        config, dtype=dtype, max_position=max_position, rope_inv_freq=inv_freq, tp=tp
+    )
     if ckpt is not None:
         tensors = ckpt.iter_tensors(config)
     else:

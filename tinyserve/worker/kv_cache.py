@@ -10,18 +10,24 @@ from tinyserve.config import CacheConfig, ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
+def bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+) -> int:
+    """K and V of one block across all layers, on one rank (which holds 1/tp_size of the
+    KV heads)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = block_size * config.num_key_value_heads * config.head_dim * itemsize
+    heads = config.num_key_value_heads // tp_size
+    per_layer = block_size * heads * config.head_dim * itemsize
     return 2 * config.num_hidden_layers * per_layer
 
 
-def num_blocks_for(config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype) -> int:
-    """The block count: given directly, or as many as fit the memory budget."""
+def num_blocks_for(
+    config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype, tp_size: int = 1
+) -> int:
+    """The block count: given directly, or as many as fit the memory budget (per rank)."""
     if cache_config.num_blocks is not None:
         return cache_config.num_blocks
-    per_block = bytes_per_block(config, cache_config.block_size, dtype)
+    per_block = bytes_per_block(config, cache_config.block_size, dtype, tp_size)
     num_blocks = cache_config.kv_cache_memory // per_block
     if num_blocks < 1:
         raise ValueError(
@@ -37,10 +43,11 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    tp_size: int = 1,
 ) -> list[KVCache]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
-    Zero-filled so a stale read can never be NaN."""
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads / tp_size,
+    head_dim]. Zero-filled so a stale read can never be NaN."""
+    shape = (num_blocks, block_size, config.num_key_value_heads // tp_size, config.head_dim)
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),

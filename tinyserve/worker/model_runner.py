@@ -1,7 +1,15 @@
 """The only place that builds tensors from requests: SchedulerOutput -> flat batch ->
-one forward -> sample -> one device->host copy -> ModelRunnerOutput."""
+one forward -> sample -> one device->host copy -> ModelRunnerOutput.
+
+Under tensor parallel the runner on rank 0 (the driver) broadcasts each step's flat batch
+(a StepInput: plain lists) to the other ranks before its forward; they run the same forward
+on their shards (the all-reduces inside pair them up) and discard the result. Only the
+driver computes logits and samples.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +18,17 @@ from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from tinyserve.worker.kv_cache import allocate_kv_cache
 from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+
+
+@dataclass
+class StepInput:
+    """One step's flat batch, as plain lists (what the driver sends the other ranks)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
 
 
 class ModelRunner:
@@ -24,10 +43,13 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.config = model.config
+        self.tp = model.tp
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, model.dtype, device)
+        self.kv_caches = allocate_kv_cache(
+            self.config, num_blocks, block_size, model.dtype, device, tp_size=self.tp.size
+        )
         self.sampler = Sampler()
         # request_id -> CPU generator, seeded once with the request's seed.
         self.generators: dict[str, torch.Generator] = {}
@@ -57,12 +79,8 @@ class ModelRunner:
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
                 sampling.append(req)
-        meta = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.block_size, self.device, self.model.dtype
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables)
+        hidden = self.forward(step)  # [num_tokens, hidden]
         if not sampling:
             return ModelRunnerOutput()
         idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
@@ -80,6 +98,34 @@ class ModelRunner:
         smeta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         out = self.sampler(logits, smeta)
         return self._to_host(sampling, out)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """The model over one flat batch -> hidden states [num_tokens, hidden]. On the driver
+        under tensor parallel, first hands the batch to the other ranks."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.broadcast(step)
+        meta = AttentionMetadata.build(
+            step.query_lens,
+            step.seq_lens,
+            step.block_tables,
+            self.block_size,
+            self.device,
+            self.model.dtype,
+        )
+        ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
+        return self.model(ids, pos, self.kv_caches, meta)
+
+    def serve_driver(self) -> None:
+        """Ranks > 0: run every step the driver broadcasts, until it sends None."""
+        while (step := self.tp.broadcast()) is not None:
+            self.forward(step)
+
+    def stop_workers(self) -> None:
+        """The driver: release the other ranks from serve_driver()."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.broadcast(None)
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed

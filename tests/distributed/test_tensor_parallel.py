@@ -1,0 +1,108 @@
+"""Tensor parallel on CPU with gloo: sharded logits equal the single-process model's, the
+engine gives the same greedy tokens at TP=2 and TP=3, bad sizes fail clearly."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from paged_runner import PagedRunner
+from tiny_models import LLAMA3_ROPE, build_hf, llama_config, qwen2_config, random_tokens, save_hf
+from tp_ranks import teacher_forced_logits
+
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.entrypoints.llm import LLM
+from tinyserve.models.loader import load_model
+from tinyserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    # 8 heads / 4 KV heads / 256-wide MLP: divisible by 2 and 4.
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=256)
+    llama = save_hf(build_hf(llama_config(rope_scaling=LLAMA3_ROPE, **shape)), root / "llama")
+    qwen2 = save_hf(build_hf(qwen2_config(**shape), seed=7), root / "qwen2")
+    return {"llama": str(llama), "qwen2": str(qwen2)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_logits_match_tp1_prefill_and_decode(tiny_paths, arch, tmp_path):
+    path = tiny_paths[arch]
+    tokens, prompt_len = random_tokens(40, seed=11), 24  # prefill 24, then 16 decode steps
+    out = tmp_path / "rank0.pt"
+    mp.spawn(
+        teacher_forced_logits,
+        args=(2, f"tcp://127.0.0.1:{_port()}", path, tokens, prompt_len, str(out)),
+        nprocs=2,
+    )
+    tp2 = torch.load(out)
+    model, _ = load_model(path, torch.float32, "cpu")
+    tp1 = PagedRunner(model, block_size=4, num_blocks=64, seed=3).prefill_then_decode(
+        tokens, prompt_len
+    )
+    diff = (tp2["logits"] - tp1).abs()
+    assert diff[:prompt_len].max() < 1e-4, f"prefill max |diff| {diff[:prompt_len].max()}"
+    assert diff[prompt_len:].max() < 1e-4, f"decode max |diff| {diff[prompt_len:].max()}"
+    assert tp1.abs().max() > 0.1  # the logits are not trivially small
+    # Each rank held half the heads and KV heads; two all-reduces per layer per forward.
+    cfg = model.config
+    assert tp2["qkv_rows"] == (cfg.q_size + 2 * cfg.kv_size) // 2
+    assert tp2["kv_heads"] == cfg.num_key_value_heads // 2
+    assert tp2["all_reduces"] == 2 * cfg.num_hidden_layers * tp2["steps"]
+
+
+def _greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_engine_tp2_greedy_equals_tp1(tiny_paths):
+    prompts = [random_tokens(n, seed=n) for n in (5, 17, 33, 9)]
+    kw = dict(dtype="float32", device="cpu", load_tokenizer=False, block_size=4)
+    with LLM(tiny_paths["qwen2"], **kw) as llm:
+        want = _greedy(llm, prompts, 12)
+    with LLM(tiny_paths["qwen2"], tensor_parallel_size=2, **kw) as llm:
+        assert llm.engine.tp_driver is not None and len(llm.engine.tp_driver.processes) == 1
+        got = _greedy(llm, prompts, 12)
+        procs = list(llm.engine.tp_driver.processes)
+    assert got == want
+    assert all(not p.is_alive() for p in procs)  # close() let the workers exit
+
+
+def test_tp3_on_smollm2_same_greedy_tokens_as_tp1(smollm2_gguf_path):
+    """SmolLM2 has 9 heads and 3 KV heads: TP=3 gives each rank 3 heads and 1 KV head."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Three colours are"]
+    kw = dict(dtype="float32", device="cpu")
+    with LLM(str(smollm2_gguf_path), **kw) as llm:
+        want = _greedy(llm, prompts, 16)
+    with LLM(str(smollm2_gguf_path), tensor_parallel_size=3, **kw) as llm:
+        got = _greedy(llm, prompts, 16)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("size", "arch", "count"),
+    [(3, "llama", "num_attention_heads (8)"), (16, "qwen2", "num_attention_heads (8)")],
+)
+def test_indivisible_sizes_fail_before_starting_workers(tiny_paths, size, arch, count):
+    msg = rf"tensor_parallel_size {size} does not divide.*{re.escape(count)}"
+    with pytest.raises(ValueError, match=msg):
+        LLMEngine(model=tiny_paths[arch], tensor_parallel_size=size, load_tokenizer=False)
+    assert not mp.active_children()
+
+
+def test_smollm2_tp2_names_the_head_counts(smollm2_gguf_path):
+    with pytest.raises(ValueError, match=r"does not divide the model's num_attention_heads \(9\)"):
+        LLMEngine(model=str(smollm2_gguf_path), tensor_parallel_size=2)

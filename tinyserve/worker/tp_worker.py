@@ -1,0 +1,168 @@
+"""Starting the tensor-parallel ranks, and the loop the non-driver ranks run.
+
+Rank 0 is the engine's own process: it runs the scheduler and drives the other ranks through
+its ModelRunner (one broadcast of the flat batch per step). Ranks 1..N-1 are either spawned
+here with torch.multiprocessing (one host, ``tcp://127.0.0.1:<free port>`` rendezvous) or
+started by ``torchrun`` (any number of hosts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT in the environment); either way they end up in :func:`worker_main`.
+
+Start-up order, the same on every rank: join the group -> load this rank's shard -> the
+driver broadcasts the KV block count -> allocate this rank's KV cache -> barrier -> steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyserve.distributed.parallel_state import TPGroup, cpu_threads_per_rank, init_tp_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker rank needs to build its shard (picklable; the engine fills it in)."""
+
+    model: str | None
+    dtype: str
+    device: str
+    max_model_len: int | None
+    block_size: int
+    tensor_parallel_size: int
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank is gone: the group cannot run another step."""
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when started by torchrun (or another launcher that sets them)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """One CUDA device per rank on a host (LOCAL_RANK under torchrun); CPU is shared."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+
+
+@dataclass
+class TPDriver:
+    """What rank 0 keeps: the group and, when it spawned them, the worker processes."""
+
+    group: TPGroup
+    processes: list = field(default_factory=list)
+    closed: bool = False
+
+    def health_problem(self) -> str | None:
+        for rank, p in enumerate(self.processes, start=1):
+            if not p.is_alive():
+                return (
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited "
+                    f"with code {p.exitcode}"
+                )
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout)
+        self.group.destroy()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPDriver:
+    """On rank 0: start (or, under torchrun, join) the other ranks; returns once all joined."""
+    size = spec.tensor_parallel_size
+    env = torchrun_rank()
+    threads = cpu_threads_per_rank(size) if device.type == "cpu" else None
+    if threads:
+        torch.set_num_threads(threads)
+    if env is not None:
+        rank, world = env
+        if world != size:
+            raise ValueError(
+                f"tensor_parallel_size is {size} but torchrun started WORLD_SIZE={world} ranks"
+            )
+        if rank != 0:
+            raise RuntimeError("only rank 0 builds an engine; other ranks run worker_main()")
+        return TPDriver(init_tp_group(0, size, rank_device(device, 0), "env://"))
+    import torch.multiprocessing as mp
+
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    processes = []
+    for rank in range(1, size):
+        p = ctx.Process(
+            target=worker_main,
+            args=(rank, size, init_method, spec, threads),
+            name=f"tinyserve-tp{rank}",
+            daemon=True,  # never outlive the engine process
+        )
+        p.start()
+        processes.append(p)
+    logger.info("tensor parallel: started %d worker processes (%s)", size - 1, init_method)
+    return TPDriver(init_tp_group(0, size, rank_device(device, 0), init_method), processes)
+
+
+def worker_main(
+    rank: int, size: int, init_method: str, spec: WorkerSpec, threads: int | None = None
+) -> None:
+    """A non-driver rank: load the shard, allocate the KV shard, run the driver's steps."""
+    from tinyserve.models.loader import load_model
+    from tinyserve.worker.device import resolve_device, resolve_dtype
+    from tinyserve.worker.model_runner import ModelRunner
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING)
+    if threads:
+        torch.set_num_threads(threads)
+    base = resolve_device(spec.device)
+    device = rank_device(base, rank)
+    dtype = resolve_dtype(spec.dtype, base)
+    group = init_tp_group(rank, size, device, init_method)
+    try:
+        model, _ = load_model(spec.model, dtype, device, max_position=spec.max_model_len, tp=group)
+        num_blocks = group.broadcast()
+        if num_blocks is None:  # the driver failed to start
+            return
+        runner = ModelRunner(model, num_blocks, spec.block_size, device)
+        group.barrier()
+        runner.serve_driver()
+    finally:
+        group.destroy()
+
+
+def run_torchrun_worker(spec: WorkerSpec) -> bool:
+    """Under torchrun, ranks > 0 of ``serve`` / ``generate`` become workers: returns True
+    after serving (the command then exits), False on rank 0 (which goes on to build the
+    engine)."""
+    env = torchrun_rank()
+    if env is None or env[0] == 0 or spec.tensor_parallel_size == 1:
+        return False
+    rank, world = env
+    if world != spec.tensor_parallel_size:
+        raise SystemExit(
+            f"--tensor-parallel-size {spec.tensor_parallel_size} but WORLD_SIZE is {world}"
+        )
+    # torchrun sets OMP_NUM_THREADS=1 unless the user chose; keep what it set.
+    worker_main(rank, world, "env://", spec, None)
+    return True

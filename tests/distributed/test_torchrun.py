@@ -1,0 +1,30 @@
+"""Ranks started by torchrun (RANK / WORLD_SIZE / MASTER_* in the environment), the way
+they sit on several hosts: rank 0 runs the command, rank 1 becomes a worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from fuzz import build_fuzz_model
+
+from tinyserve.models.default_model import tokenizer_dir_for
+
+
+@pytest.mark.slow
+def test_torchrun_generate_equals_one_process(smollm2_gguf_path, tmp_path):
+    model = build_fuzz_model(tmp_path / "model", tokenizer_dir_for(smollm2_gguf_path), seed=5)
+    gen = [
+        "-m", "tinyserve.entrypoints.cli", "generate", "--model", str(model),
+        "--max-tokens", "12", "--log-level", "error", "Hello there", "The sky is",
+    ]  # fmt: skip
+    one = subprocess.run([sys.executable, *gen], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    tr = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = subprocess.run(
+        [*tr, *gen, "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "### Hello there" in one.stdout
+    assert two.stdout == one.stdout  # only rank 0 prints, and the same tokens

@@ -1,16 +1,20 @@
 #!/usr/bin/env python
-"""Decode-step anatomy at batch 1 and 32, side by side with the matmul floor, in one run.
+"""Decode-step anatomy by batch size, side by side with the matmul floor, in one run, for
+the engine with the GGUF block kernel (the default for a Q4_1 GGUF on CPU) and without it
+(fp32 torch GEMM for every matmul).
 
-matmul floor   the bare matrix products of one decode step (every layer's qkv, o, gate_up,
-               down, plus the LM head) on random activations: what a pure-PyTorch engine
-               cannot go below
+matmul floor   the bare fp32 matrix products of one decode step (every layer's qkv, o,
+               gate_up, down, plus the LM head) on random activations: what a pure-PyTorch
+               fp32 engine cannot go below
+kernel floor   the same products through tinyserve.layers.linear (the block kernel up to
+               QUANT_MAX_ROWS rows)
 step           one LLMEngine.step() in steady decode
 model          the model's forward + LM head (logits of the sampled rows)
 sampler        the batched sampler
 overhead       step - model - sampler: scheduling, batch building, metadata, host copy,
                detokenizing — the engine's own cost
 
-python benchmarks/bench_step.py [--batch-sizes 1,32] [--steps 30] [--out benchmarks/results/step.json]
+python benchmarks/bench_step.py [--batch-sizes 1,8,16,32] [--steps 30] [--out benchmarks/results/step.json]
 """
 
 from __future__ import annotations
@@ -56,6 +60,29 @@ def matmul_floor_ms(model, batch: int, iters: int) -> float:
             t = time.perf_counter()
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
+            times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def kernel_floor_ms(model, batch: int, iters: int) -> float:
+    from tinyserve.layers.linear import linear
+
+    modules = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        modules += [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+    cfg = model.config
+    modules.append(model.model.embed_tokens if cfg.tie_word_embeddings else model.lm_head)
+    xs = {mod.weight.shape[1]: torch.randn(batch, mod.weight.shape[1]) for mod in modules}
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            for mod in modules:
+                linear(xs[mod.weight.shape[1]], mod)
+        for _ in range(iters):
+            t = time.perf_counter()
+            for mod in modules:
+                linear(xs[mod.weight.shape[1]], mod)
             times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
 
@@ -126,28 +153,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--batch-sizes", default="1,8,16,32")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results/step.json")
     args = ap.parse_args(argv)
-    engine = LLMEngine(
-        EngineArgs(model=args.model, dtype=args.dtype, kv_cache_memory="512MiB", max_num_seqs=64)
-    )
+    engines = {
+        kernel: LLMEngine(
+            EngineArgs(
+                model=args.model,
+                dtype=args.dtype,
+                kv_cache_memory="512MiB",
+                max_num_seqs=64,
+                gguf_kernels=kernel,
+            )
+        )
+        for kernel in (True, False)
+    }
+    engine = engines[True]
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         floor = matmul_floor_ms(engine.model, b, args.steps)
-        row = step_anatomy(engine, b, args.steps)
-        row["matmul_floor_ms"] = floor
-        row["floor_tok_s"] = b / (floor / 1000)
-        row["fraction_of_floor"] = floor / row["step_ms"]
-        rows.append(row)
-        print(
-            f"batch {b:>3}: step {row['step_ms']:.1f} ms ({row['tok_s']:.1f} tok/s), model "
-            f"{row['model_ms']:.1f} ms, sampler {row['sampler_ms']:.1f} ms, engine overhead "
-            f"{row['overhead_ms']:.1f} ms "
-            f"({100 * row['overhead_share']:.0f}%), matmul floor {floor:.1f} ms "
-            f"({row['floor_tok_s']:.0f} tok/s) -> {100 * row['fraction_of_floor']:.0f}% of floor"
-        )
+        kfloor = kernel_floor_ms(engine.model, b, args.steps)
+        for kernel, eng in engines.items():
+            row = step_anatomy(eng, b, args.steps)
+            row["gguf_kernel"] = kernel
+            row["matmul_floor_ms"] = floor
+            row["kernel_floor_ms"] = kfloor
+            row["floor_tok_s"] = b / (floor / 1000)
+            row["fraction_of_floor"] = floor / row["step_ms"]
+            rows.append(row)
+            print(
+                f"batch {b:>3} {'kernel' if kernel else 'fp32  '}: step {row['step_ms']:.1f} ms "
+                f"({row['tok_s']:.1f} tok/s), model {row['model_ms']:.1f} ms, sampler "
+                f"{row['sampler_ms']:.1f} ms, engine overhead {row['overhead_ms']:.1f} ms "
+                f"({100 * row['overhead_share']:.0f}%); fp32 matmul floor {floor:.1f} ms "
+                f"({row['floor_tok_s']:.0f} tok/s, {100 * row['fraction_of_floor']:.0f}% of it); "
+                f"kernel floor {kfloor:.1f} ms",
+                flush=True,
+            )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "dtype": str(engine.dtype),

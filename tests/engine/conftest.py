@@ -31,12 +31,15 @@ def _shared_weights():
 
     real_load_model, real_load_tokenizer = loader.load_model, loader.load_tokenizer
 
-    def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None, tp=None):
+    def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None, tp=None,
+                   gguf_kernels=True):  # fmt: skip
         if tp is not None and tp.size > 1:  # a shard belongs to its process group
             return real_load_model(model, dtype, device, max_position=max_position, tp=tp)
-        key = (str(model), dtype, str(device), max_position)
+        key = (str(model), dtype, str(device), max_position, gguf_kernels)
         if key not in _models:
-            _models[key] = real_load_model(model, dtype, device, max_position=max_position)
+            _models[key] = real_load_model(
+                model, dtype, device, max_position=max_position, gguf_kernels=gguf_kernels
+            )
         return _models[key]
 
     def load_tokenizer(source):

@@ -24,6 +24,7 @@ class EngineArgs:
     scheduling_policy: str = "continuous"  # or "static" (gang), for the benchmarks
     load_tokenizer: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split over (docs/scaling.md)
+    gguf_kernels: bool = True  # small-batch matmuls from a GGUF's Q4_1/Q8_0 blocks (CPU, fp32)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -68,6 +69,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
+    )
+    parser.add_argument(
+        "--gguf-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=d.gguf_kernels,
+        help="decode a Q4_1/Q8_0 GGUF from its blocks (AVX2 kernel) at small batch sizes",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -82,7 +82,12 @@ class LLMEngine:
         from tinyserve.worker.model_runner import ModelRunner
 
         self.model, self.source = load_model(
-            args.model, self.dtype, tp.device, max_position=args.max_model_len, tp=tp
+            args.model,
+            self.dtype,
+            tp.device,
+            max_position=args.max_model_len,
+            tp=tp,
+            gguf_kernels=args.gguf_kernels,
         )
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(self.source) if args.load_tokenizer else None

@@ -24,6 +24,7 @@ from tinyserve.config import ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
 from tinyserve.layers.activation import silu_and_mul
 from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from tinyserve.layers.linear import linear
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_proj.bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotated together: one set of elementwise ops instead of two.
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
@@ -71,7 +72,7 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(F.linear(o.reshape(-1, self.q_size), self.o_proj.weight))
+        return self.tp.all_reduce(linear(o.reshape(-1, self.q_size), self.o_proj))
 
 
 class LlamaMLP(nn.Module):
@@ -85,8 +86,8 @@ class LlamaMLP(nn.Module):
         self.down_proj.weight = _param(config.hidden_size, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = silu_and_mul(F.linear(x, self.gate_up_proj.weight))
-        return self.tp.all_reduce(F.linear(h, self.down_proj.weight))
+        h = silu_and_mul(linear(x, self.gate_up_proj))
+        return self.tp.all_reduce(linear(h, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -177,4 +178,5 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return linear(hidden, head).float()

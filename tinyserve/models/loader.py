@@ -288,6 +288,58 @@ class _GGUFCheckpoint:
                 w = _unpermute_qk(w, heads)
             yield hf_name, w, self.path.name
 
+    def attach_blocks(self, net: LlamaForCausalLM) -> int:
+        """Give the model's linears the checkpoint's Q4_1 / Q8_0 blocks (``module.quant``)
+        for the small-batch kernel; returns how many modules got them. q/k rows are put in
+        the same order as the dequantised weights (llama.cpp's permutation undone)."""
+        from tinyserve.kernels import gguf_gemv
+
+        config = net.config
+
+        def blocks(name: str, heads: int | None = None):
+            t = self.tensors.get(name)
+            if t is None or len(t.shape) != 2:
+                return None
+            qw = gguf_gemv.from_gguf(self.file.raw(t), t.qtype, t.shape)
+            if qw is not None and heads is not None and self.arch == "llama":
+                order = _unpermute_qk(torch.arange(t.shape[0])[:, None], heads)[:, 0]
+                qw = qw.take_rows(order)
+            return qw
+
+        def fused(parts):
+            if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+                return None
+            return gguf_gemv.cat_rows(parts)
+
+        attached = 0
+        for i, layer in enumerate(net.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            b = f"blk.{i}."
+            targets = {
+                attn.qkv_proj: fused(
+                    [
+                        blocks(b + "attn_q.weight", config.num_attention_heads),
+                        blocks(b + "attn_k.weight", config.num_key_value_heads),
+                        blocks(b + "attn_v.weight"),
+                    ]
+                ),
+                attn.o_proj: blocks(b + "attn_output.weight"),
+                mlp.gate_up_proj: fused(
+                    [blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")]
+                ),
+                mlp.down_proj: blocks(b + "ffn_down.weight"),
+            }
+            for module, qw in targets.items():
+                if qw is not None and qw.shape == tuple(module.weight.shape):
+                    module.quant = qw
+                    attached += 1
+        head = net.model.embed_tokens if config.tie_word_embeddings else net.lm_head
+        qw = blocks("token_embd.weight" if config.tie_word_embeddings else "output.weight")
+        if qw is not None and qw.shape == tuple(head.weight.shape):
+            head.quant = qw
+            attached += 1
+        return attached
+
 
 def gguf_to_hf_name(name: str) -> str | None:
     base, _, suffix = name.rpartition(".")
@@ -432,9 +484,11 @@ def load_model(
     device: torch.device | str = "cpu",
     max_position: int | None = None,
     tp: TPGroup | None = None,
+    gguf_kernels: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelSource]:
     """Resolve, build and fill the model (this rank's shard of it under tensor parallel).
-    The tokenizer is loaded separately (load_tokenizer)."""
+    ``gguf_kernels``: for a Q4_1 / Q8_0 GGUF served in fp32 on the CPU, keep the blocks too,
+    for the small-batch kernel (tinyserve/kernels). The tokenizer is loaded separately."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = _GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, inv_freq = load_model_config(source, ckpt)
@@ -446,7 +500,21 @@ def load_model(
     else:
         tensors = _iter_safetensors(source.path)
     load_weights(net, _with_progress(tensors, config), str(source.path))
-    return net.to(device).eval(), source
+    net = net.to(device).eval()
+    use_blocks = (
+        ckpt is not None
+        and gguf_kernels
+        and dtype == torch.float32
+        and torch.device(device).type == "cpu"
+        and net.tp.size == 1
+    )
+    if use_blocks:
+        from tinyserve.kernels import gguf_gemv
+
+        if gguf_gemv.available():
+            n = ckpt.attach_blocks(net)
+            logger.info("GGUF block kernel on for %d linears (batches up to a few rows)", n)
+    return net, source
 
 
 def _with_progress(tensors, config: ModelConfig):

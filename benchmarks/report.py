@@ -96,14 +96,16 @@ def main() -> None:
         lines += [
             f"### Decode step anatomy ({step['dtype']}, {step['torch_threads']} threads)",
             "",
-            "| batch | step ms | tok/s | model ms | sampler ms | engine overhead | matmul floor ms | floor tok/s | fraction of floor |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | matmuls | step ms | tok/s | model ms | sampler ms | engine overhead | fp32 matmul floor ms | floor tok/s | step vs fp32 floor | kernel floor ms |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in step["rows"]:
+            kernel = r.get("gguf_kernel")
+            how = "fp32 GEMM" if kernel is False else "GGUF kernel ≤16 rows" if kernel else "fp32"
             lines.append(
-                f"| {r['batch']} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['model_ms']:.1f} | {r['sampler_ms']:.1f} | "
+                f"| {r['batch']} | {how} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['model_ms']:.1f} | {r['sampler_ms']:.1f} | "
                 f"{r['overhead_ms']:.1f} ms ({100 * r['overhead_share']:.0f}%) | {r['matmul_floor_ms']:.1f} | "
-                f"{r['floor_tok_s']:.0f} | {100 * r['fraction_of_floor']:.0f}% |"
+                f"{r['floor_tok_s']:.0f} | {100 * r['fraction_of_floor']:.0f}% | {r.get('kernel_floor_ms', float('nan')):.1f} |"
             )
         lines.append("")
     on, off = _load(res, "shared_prefix_on.json"), _load(res, "shared_prefix_off.json")

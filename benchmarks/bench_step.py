@@ -48,7 +48,7 @@ def matmul_floor_ms(model, batch: int, iters: int) -> float:
             layer.mlp.gate_up_proj.weight,
             layer.mlp.down_proj.weight,
         ]
-    weights.append(model.lm_head_weight)
+    weights.append(model.lm_head_module.weight)
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
     del cfg
     times = []
@@ -71,8 +71,7 @@ def kernel_floor_ms(model, batch: int, iters: int) -> float:
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         modules += [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-    cfg = model.config
-    modules.append(model.model.embed_tokens if cfg.tie_word_embeddings else model.lm_head)
+    modules.append(model.lm_head_module)
     xs = {mod.weight.shape[1]: torch.randn(batch, mod.weight.shape[1]) for mod in modules}
     times = []
     with torch.inference_mode():

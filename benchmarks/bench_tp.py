@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -26,12 +25,6 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_shaped_model(dest: Path) -> Path:
@@ -145,7 +138,9 @@ def allreduce_latency_us(size: int, hidden: int) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ar.json")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        from soak import free_port
+
+        init = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(_allreduce_rank, args=(size, init, hidden, out), nprocs=size)
         return json.loads(Path(out).read_text())
 

@@ -214,6 +214,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.shutdown_timeout < 0:

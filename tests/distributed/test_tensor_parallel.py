@@ -4,12 +4,12 @@ engine gives the same greedy tokens at TP=2 and TP=3, bad sizes fail clearly."""
 from __future__ import annotations
 
 import re
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from paged_runner import PagedRunner
+from soak import free_port
 from tiny_models import LLAMA3_ROPE, build_hf, llama_config, qwen2_config, random_tokens, save_hf
 from tp_ranks import teacher_forced_logits
 
@@ -19,12 +19,6 @@ from tinyserve.models.loader import load_model
 from tinyserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def test_tp2_logits_match_tp1_prefill_and_decode(tiny_paths, arch, tmp_path):
     out = tmp_path / "rank0.pt"
     mp.spawn(
         teacher_forced_logits,
-        args=(2, f"tcp://127.0.0.1:{_port()}", path, tokens, prompt_len, str(out)),
+        args=(2, f"tcp://127.0.0.1:{free_port()}", path, tokens, prompt_len, str(out)),
         nprocs=2,
     )
     tp2 = torch.load(out)

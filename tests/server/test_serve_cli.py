@@ -41,6 +41,23 @@ def test_serve_flags():
     assert (d.host, d.port, d.model, d.log_level) == ("127.0.0.1", 8321, None, "info")
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--max-queued-requests=-1", "max_queued_requests must be >= 0, got -1"),
+        ("--max-request-bytes=10", "max_request_bytes must be >= 1024, got 10"),
+        ("--shutdown-timeout=-1", "shutdown_timeout must be >= 0, got -1.0"),
+    ],
+)
+def test_bad_server_flags_exit_with_a_message(flag, message):
+    from tinyserve.entrypoints.api_server import run_server
+
+    ns = build_parser().parse_args(["serve", flag])
+    with pytest.raises(SystemExit) as exc:
+        run_server(ns)  # fails before any model is loaded
+    assert str(exc.value) == f"tinyserve serve: {message}"
+
+
 def _readme_curl() -> str:
     lines = [line for line in README.read_text().splitlines() if line.startswith("curl -N ")]
     assert lines, "README.md has no `curl -N ...` example"

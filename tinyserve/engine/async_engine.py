@@ -370,12 +370,13 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._wakeup.clear()
-                if (problem := self._engine_problem()) is not None:
-                    raise RuntimeError(problem)
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     self._stats = engine.stats()
                     self._wakeup.wait(poll)  # idle: sleep until add/abort/shutdown sets it
+                    # While busy, step() checks the workers itself; idle, we do.
+                    if (problem := self._engine_problem()) is not None:
+                        raise RuntimeError(problem)
                     continue
                 outputs = engine.step()
                 now = time.monotonic()

@@ -167,12 +167,8 @@ class LLMEngine:
         if driver is None or driver.closed:
             return
         if driver.health_problem() is None:
-            runner = getattr(self, "runner", None)
-            try:
-                if runner is not None:
-                    runner.stop_workers()
-                else:  # failed before the runner existed: the workers wait for the block count
-                    driver.group.broadcast(None)
+            try:  # the workers wait for a step (or, mid-start-up, the block count): None ends them
+                driver.group.broadcast(None)
             except Exception:  # noqa: BLE001 - a broken group: the workers die with it
                 logger.warning("could not stop the tensor-parallel workers cleanly")
         driver.close()

@@ -303,7 +303,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})",
     )
     p.add_argument(
         "--max-queued-requests",
@@ -369,9 +369,10 @@ def run_server(ns: argparse.Namespace) -> int:
     # concurrent unchanged (docs/architecture.md). Set before MKL initialises; a user's
     # MKL_NUM_THREADS wins. torch.set_num_threads() does not reach these threads.
     os.environ.setdefault("MKL_NUM_THREADS", "1")
-    config = server_config_from_namespace(ns)
-    if config.max_queued_requests < 0:
-        raise SystemExit("--max-queued-requests must be >= 0")
+    try:
+        config = server_config_from_namespace(ns)
+    except ValueError as e:
+        raise SystemExit(f"tinyserve serve: {e}") from None
     app = create_app(EngineArgs.from_namespace(ns), config)
     log_level = str(getattr(ns, "log_level", "info")).lower()
     if not logging.getLogger().handlers:  # called without cli.main's logging set-up

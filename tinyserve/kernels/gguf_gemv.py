@@ -103,10 +103,6 @@ class QuantWeight:
     m: torch.Tensor | None  # float32 [N, K/32] (Q4_1)
     shape: tuple[int, int]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
-
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows reordered / selected (e.g. undoing llama.cpp's q/k row permutation)."""
         m = None if self.m is None else self.m[index].contiguous()

@@ -159,10 +159,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+    def lm_head_module(self) -> nn.Module:
+        """The LM head: the embedding when tied (its ``weight``, and ``quant`` if attached)."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
 
     @torch.inference_mode()
     def forward(
@@ -178,5 +177,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in)."""
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return linear(hidden, head).float()
+        return linear(hidden, self.lm_head_module).float()

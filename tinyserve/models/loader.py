@@ -333,7 +333,7 @@ class _GGUFCheckpoint:
                 if qw is not None and qw.shape == tuple(module.weight.shape):
                     module.quant = qw
                     attached += 1
-        head = net.model.embed_tokens if config.tie_word_embeddings else net.lm_head
+        head = net.lm_head_module
         qw = blocks("token_embd.weight" if config.tie_word_embeddings else "output.weight")
         if qw is not None and qw.shape == tuple(head.weight.shape):
             head.quant = qw
@@ -385,7 +385,7 @@ _ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def tp_shard(
-    target: str, shard: str | None, tensor: torch.Tensor, config: ModelConfig, rank: int, size: int
+    target: str, shard: str | None, tensor: torch.Tensor, rank: int, size: int
 ) -> torch.Tensor:
     """This rank's slice of a (full) checkpoint tensor that fills ``target``/``shard``."""
     if size == 1:
@@ -454,18 +454,14 @@ def load_weights(
         if shard is not None:
             offset, rows = _shard_slice(config, shard, size)
             dest = dest.narrow(0, offset, rows)
-        if size > 1:
-            full = tuple(tensor.shape)
-            tensor = tp_shard(target, shard, tensor, config, rank, size)
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(
-                    f"{file}: tensor {name} has shape {list(full)}; its rank-{rank} slice of "
-                    f"{size} is {list(tensor.shape)} but the config ({where}) expects "
-                    f"{list(dest.shape)}"
-                )
+        full = list(tensor.shape)
+        tensor = tp_shard(target, shard, tensor, rank, size)
         if tuple(tensor.shape) != tuple(dest.shape):
+            sliced = (
+                f"; its rank-{rank} slice of {size} is {list(tensor.shape)}" if size > 1 else ""
+            )
             raise ValueError(
-                f"{file}: tensor {name} has shape {list(tensor.shape)} but the config "
+                f"{file}: tensor {name} has shape {full}{sliced} but the config "
                 f"({where}) expects {list(dest.shape)}"
             )
         dest.copy_(tensor)

@@ -122,11 +122,6 @@ class ModelRunner:
         while (step := self.tp.broadcast()) is not None:
             self.forward(step)
 
-    def stop_workers(self) -> None:
-        """The driver: release the other ranks from serve_driver()."""
-        if self.tp.size > 1 and self.tp.is_driver:
-            self.tp.broadcast(None)
-
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
         if seed is None:

@@ -32,14 +32,13 @@ def _shared_weights():
     real_load_model, real_load_tokenizer = loader.load_model, loader.load_tokenizer
 
     def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None, tp=None,
-                   gguf_kernels=True):  # fmt: skip
+                   cpu_kernels=True, quantization=None):  # fmt: skip
+        kw = dict(max_position=max_position, cpu_kernels=cpu_kernels, quantization=quantization)
         if tp is not None and tp.size > 1:  # a shard belongs to its process group
-            return real_load_model(model, dtype, device, max_position=max_position, tp=tp)
-        key = (str(model), dtype, str(device), max_position, gguf_kernels)
+            return real_load_model(model, dtype, device, tp=tp, **kw)
+        key = (str(model), dtype, str(device), max_position, cpu_kernels, quantization)
         if key not in _models:
-            _models[key] = real_load_model(
-                model, dtype, device, max_position=max_position, gguf_kernels=gguf_kernels
-            )
+            _models[key] = real_load_model(model, dtype, device, **kw)
         return _models[key]
 
     def load_tokenizer(source):

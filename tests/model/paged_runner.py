@@ -43,7 +43,10 @@ class PagedRunner:
             seq_lens.append(end)
             tables.append(list(table))
             self.num_computed[seq] = end
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.block_size,
+            use_kernel=self.model.attention_backend == "kernel",
+        )  # fmt: skip
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
@@ -52,6 +55,13 @@ class PagedRunner:
         )
         logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))
+
+    def share_prefix(self, seq: str, from_seq: str, num_tokens: int) -> None:
+        """Start ``seq`` on ``from_seq``'s first ``num_tokens`` (whole blocks), already
+        computed: what a prefix-cache hit gives the model runner."""
+        assert num_tokens % self.block_size == 0
+        self.tables[seq] = list(self.tables[from_seq][: num_tokens // self.block_size])
+        self.num_computed[seq] = num_tokens
 
     def prefill_then_decode(
         self, tokens: list[int], prompt_len: int, seq: str = "s"

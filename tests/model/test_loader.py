@@ -285,14 +285,15 @@ def write_llama_gguf(hf, path, qtypes: dict[str, str], arch: str = "llama", rope
 
 
 def _our_weight(model, hf_name: str) -> torch.Tensor:
-    from tinyserve.models.loader import _shard_slice, map_checkpoint_name
+    from tinyserve.models.loader import map_checkpoint_name
 
     target, shard = map_checkpoint_name(hf_name)
     if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
         target = "model.embed_tokens.weight"
     p = dict(model.named_parameters())[target]
     if shard is not None:
-        p = p.narrow(0, *_shard_slice(model.config, shard))
+        owner = dict(model.named_modules())[target.rsplit(".", 1)[0]]
+        p = p.narrow(0, *owner.shard_rows(shard))
     return p
 
 

@@ -24,7 +24,8 @@ class EngineArgs:
     scheduling_policy: str = "continuous"  # or "static" (gang), for the benchmarks
     load_tokenizer: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split over (docs/scaling.md)
-    gguf_kernels: bool = True  # small-batch matmuls from a GGUF's Q4_1/Q8_0 blocks (CPU, fp32)
+    cpu_kernels: bool = True  # tinyserve/kernels matmuls + attention (CPU, fp32; batch-invariant)
+    quantization: str | None = None  # "int8": weight-only int8 for float checkpoints
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -71,10 +72,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
     )
     parser.add_argument(
+        "--cpu-kernels",
         "--gguf-kernels",
+        dest="cpu_kernels",
         action=argparse.BooleanOptionalAction,
-        default=d.gguf_kernels,
-        help="decode a Q4_1/Q8_0 GGUF from its blocks (AVX2 kernel) at small batch sizes",
+        default=d.cpu_kernels,
+        help="CPU fp32: matmuls (a GGUF's Q4_1/Q8_0 blocks read directly) and paged attention "
+        "through tinyserve's AVX2 kernels, batch-invariant; off: torch's GEMM and SDPA",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8"],
+        help="int8: weight-only int8 (per-channel scales) for float checkpoints (CPU kernels)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -38,34 +38,39 @@ class EngineStats:
     generation_tokens_total: int
 
 
-def worker_spec(args: EngineArgs):
+def worker_spec(args: EngineArgs, dtype=None):
     """What a tensor-parallel worker rank needs from the engine's arguments."""
     from tinyserve.worker.tp_worker import WorkerSpec
 
     return WorkerSpec(
         model=args.model,
-        dtype=args.dtype,
+        dtype=str(dtype).replace("torch.", "") if dtype is not None else args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        cpu_kernels=args.cpu_kernels,
+        quantization=args.quantization,
     )
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
         from tinyserve.distributed.parallel_state import TPGroup
-        from tinyserve.worker.device import resolve_device, resolve_dtype
+        from tinyserve.worker.autotune import resolve_engine_dtype
+        from tinyserve.worker.device import resolve_device
 
         args = dataclasses.replace(args or EngineArgs(), **kwargs)
         if args.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {args.tensor_parallel_size}")
         self.args = args
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_engine_dtype(
+            args.dtype, self.device, args.model, args.cpu_kernels, args.quantization
+        )
         t0 = time.monotonic()
         self.tp_driver = (
-            self._start_tensor_parallel(args) if args.tensor_parallel_size > 1 else None
+            self._start_tensor_parallel(args, self.dtype) if args.tensor_parallel_size > 1 else None
         )
         tp = self.tp_driver.group if self.tp_driver else TPGroup(device=self.device)
         if self.tp_driver is not None:
@@ -87,7 +92,8 @@ class LLMEngine:
             tp.device,
             max_position=args.max_model_len,
             tp=tp,
-            gguf_kernels=args.gguf_kernels,
+            cpu_kernels=args.cpu_kernels,
+            quantization=args.quantization,
         )
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(self.source) if args.load_tokenizer else None
@@ -145,7 +151,7 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _start_tensor_parallel(args: EngineArgs):
+    def _start_tensor_parallel(args: EngineArgs, dtype):
         from tinyserve.distributed.parallel_state import check_tp_divisible
         from tinyserve.models.loader import load_model_config, resolve_model_source
         from tinyserve.worker.device import resolve_device
@@ -154,7 +160,7 @@ class LLMEngine:
         # A size that does not divide the heads fails here, before any process starts.
         config, _ = load_model_config(resolve_model_source(args.model))
         check_tp_divisible(config, args.tensor_parallel_size)
-        return start_tensor_parallel(worker_spec(args), resolve_device(args.device))
+        return start_tensor_parallel(worker_spec(args, dtype), resolve_device(args.device))
 
     def health_problem(self) -> str | None:
         """Why the engine cannot step any more (a tensor-parallel worker died), or None."""

@@ -11,11 +11,14 @@ Two implementations:
 
 * :func:`reference_paged_attention` — plain per-sequence dense attention, a Python loop.
   Obviously correct and slow; used only by tests to judge the fast path.
-* :func:`paged_attention` — the production path, vectorised over the whole batch: the
-  sequences of a step are split into at most two groups (single-token decode rows and
-  multi-token prefill chunks), each group is padded into one rectangle *inside* attention and
-  computed with one ``scaled_dot_product_attention`` call. The masks and gather indices are
-  built once per step in :meth:`AttentionMetadata.build` and shared by all layers.
+* :func:`paged_attention` — the production path. On a CPU with the kernels (float32), the
+  AVX2 kernel of tinyserve/kernels/attention.c reads K/V through the block table directly:
+  no padded gather, no mask, and each row's result independent of the rest of the batch.
+  Elsewhere (CUDA, MPS, bf16, no kernels) the torch path: the sequences of a step are split
+  into at most two groups (single-token decode rows and multi-token prefill chunks), each
+  group is padded into one rectangle *inside* attention and computed with one
+  ``scaled_dot_product_attention`` call. The masks and gather indices (or the kernel's
+  tensors) are built once per step in :meth:`AttentionMetadata.build`, shared by all layers.
 """
 
 from __future__ import annotations
@@ -41,6 +44,16 @@ class AttentionGroup:
 
 
 @dataclass
+class KernelInputs:
+    """What the block-table kernel reads (CPU tensors)."""
+
+    query_start_loc: torch.Tensor  # int64 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int64 [num_seqs]
+    seq_of_token: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about a step; built once, shared by every layer."""
 
@@ -49,7 +62,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_seqs] context length after this step (cached + new)
     block_tables: list[list[int]]  # per sequence
     block_size: int
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # the torch path's rectangles (empty on the kernel path)
+    kernel: KernelInputs | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -64,9 +78,11 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        use_kernel: bool = False,
     ) -> AttentionMetadata:
         """``query_lens[i]`` new tokens of sequence i (flat, in order) at positions
-        ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``."""
+        ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``. ``use_kernel``: build the
+        block-table kernel's inputs instead of the torch path's masks."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError(
                 "query_lens, seq_lens and block_tables must have one entry per sequence"
@@ -97,6 +113,15 @@ class AttentionMetadata:
             tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         )
         groups = []
+        if use_kernel:
+            kernel = KernelInputs(
+                torch.tensor(query_start_loc, dtype=torch.int64),
+                s_lens,
+                seq_of_token,
+                tables.to(torch.int32),
+            )
+            return cls(slot_mapping, query_start_loc, list(seq_lens), block_tables, block_size,
+                       groups, kernel)  # fmt: skip
         for is_decode in (True, False):
             rows = [i for i, ql in enumerate(query_lens) if (ql == 1) == is_decode]
             if rows:
@@ -175,8 +200,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Production path: one SDPA call per group, no loop over sequences.
-    The step's K/V must already be in the cache (:func:`write_kv_cache`)."""
+    """Production path: the block-table kernel, or one SDPA call per group; no loop over
+    sequences either way. The step's K/V must already be in the cache (write_kv_cache)."""
+    if meta.kernel is not None:
+        from tinyserve.kernels.attention import paged_attention as kernel_attention
+
+        m = meta.kernel
+        return kernel_attention(q, k_cache, v_cache, m.query_start_loc, m.seq_lens,
+                                m.seq_of_token, m.block_tables, scale)  # fmt: skip
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

@@ -1,6 +1,19 @@
-"""The model's one matmul entry: torch's GEMM on the float weight, or, for the few-row
-matmuls of a decode step, the GGUF block kernel when the loader attached the checkpoint's
-quantised blocks (``module.quant``, see tinyserve/kernels/gguf_gemv.py)."""
+"""Linear layers in vLLM's vocabulary, each owning its weight loader, its tensor-parallel
+shard math and one :class:`LinearMethod` fixed at load time.
+
+* ``QKVParallelLinear``           q/k/v fused by output rows (shards "q", "k", "v");
+                                  column-parallel: each rank holds whole heads
+* ``MergedColumnParallelLinear``  gate/up fused (shards "gate", "up"); column-parallel
+* ``RowParallelLinear``           o_proj / down_proj: input columns split over the ranks,
+                                  one all-reduce after the matmul
+* ``VocabParallelEmbedding`` / ``ParallelLMHead``   replicated on every rank (no vocab
+                                  split: the sampler then needs no gather)
+
+Methods: :class:`DenseMethod` (torch's GEMM on the float weight, any dtype/device) and
+:class:`PackedMethod` (tinyserve/kernels/gemm.c on a GGUF's Q4_1/Q8_0 blocks, int8 with
+per-channel scales, or the float32 weight itself). The packed method serves every row count
+with one summation order per output, so a token's numbers do not depend on its batch.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +21,211 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gguf_gemv import matmul as block_matmul
-
-# Up to this many rows (tokens) the block kernel beats fp32 GEMM on this CPU: it reads each
-# weight once for all rows but its arithmetic grows with them. Measured decode steps of
-# SmolLM2, kernel vs fp32 (benchmarks/bench_step.py): 30.6 vs 56.5 ms at batch 1, 53.6 vs
-# 86.3 at 8, 97.0 vs 143.6 at 16; a sweep above that: 160 vs 157 ms at 24.
-QUANT_MAX_ROWS = 16
+from tinyserve.distributed.parallel_state import TPGroup
+from tinyserve.kernels import gemm
+from tinyserve.kernels.gemm import PackedWeight
 
 
-def linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ module.weight.T (+ bias)``: [num_tokens, in] -> [num_tokens, out]."""
-    quant = getattr(module, "quant", None)
-    if quant is not None and x.shape[0] <= QUANT_MAX_ROWS and x.dtype == torch.float32:
-        y = block_matmul(x, quant)
-        return y if bias is None else y + bias
-    return F.linear(x, module.weight, bias)
+class ShardShapeError(ValueError):
+    """A checkpoint tensor (this rank's slice of it) does not fit its destination."""
+
+    def __init__(self, got: list[int], expected: list[int], sliced: bool) -> None:
+        super().__init__(f"shape {got} does not fit {expected}")
+        self.got, self.expected, self.sliced = got, expected, sliced
+
+
+# ------------------------------------------------------------------ methods
+
+
+class LinearMethod:
+    """How a layer computes ``x @ W.T (+ bias)``; chosen once when the model is loaded."""
+
+    name = "base"
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseMethod(LinearMethod):
+    name = "dense"
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class PackedMethod(LinearMethod):
+    """The CPU kernel on a packed weight (float32 activations in and out)."""
+
+    def __init__(self, packed: PackedWeight) -> None:
+        self.packed = packed
+        self.name = f"kernel-{packed.kind}"
+
+    def apply(self, layer, x):
+        y = gemm.matmul(x, self.packed)
+        return y if layer.bias is None else y + layer.bias
+
+
+def copy_weight(dest: torch.Tensor, src: torch.Tensor, sliced: bool = False) -> None:
+    if tuple(src.shape) != tuple(dest.shape):
+        raise ShardShapeError(list(src.shape), list(dest.shape), sliced)
+    dest.copy_(src)
+
+
+def choose_linear_methods(
+    layers: dict[str, nn.Module],
+    packed: dict[str, PackedWeight],
+    use_kernels: bool,
+    quantization: str | None = None,
+) -> dict[str, int]:
+    """Fix every layer's method once. With ``use_kernels`` (CPU, float32, kernels built):
+    the checkpoint's own blocks where ``packed`` has them, else int8 when asked, else the
+    float32 weight — all through the one batch-invariant kernel. Without: torch's GEMM.
+    Returns how many layers got each method."""
+    if quantization not in (None, "none", "int8"):
+        raise ValueError(f"quantization {quantization!r} is not supported: use none or int8")
+    counts: dict[str, int] = {}
+    for name, layer in layers.items():
+        method: LinearMethod = DenseMethod()
+        if use_kernels and gemm.available():
+            w = packed.get(name)
+            if w is None and quantization == "int8":
+                w = gemm.quantize_int8(layer.weight.data)
+            if w is None:
+                w = gemm.from_dense(layer.weight.data)
+            if w is not None and w.shape == tuple(layer.weight.shape):
+                method = PackedMethod(w)
+        layer.set_method(method)
+        counts[method.name] = counts.get(method.name, 0) + 1
+    return counts
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (missing ones are an error).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+# ------------------------------------------------------------------ layers
+
+
+class LinearBase(nn.Module):
+    """``weight`` [out, in] (this rank's part), optional ``bias`` [out]."""
+
+    shards: dict[str, int] = {}  # fused shard -> index (subclasses with fused outputs)
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TPGroup
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.method: LinearMethod = DenseMethod()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        return self.method.apply(self, x)
+
+    # Shard math. ``shard_rows`` says where a fused shard sits in this rank's rows.
+    def shard_rows(self, shard: str | None) -> tuple[int, int]:
+        return 0, self.out_features
+
+    def tp_slice(self, name: str, shard: str | None, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (replicated by default)."""
+        return loaded
+
+    def weight_loader(self, name: str, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Copy a full checkpoint tensor into ``weight`` or ``bias`` (``name``), slicing it
+        for this rank and placing it at its fused shard. Raises ShardShapeError."""
+        dest = getattr(self, name).data
+        if shard is not None:
+            dest = dest.narrow(0, *self.shard_rows(shard))
+        part = self.tp_slice(name, shard, loaded)
+        copy_weight(dest, part, sliced=part is not loaded)
+
+    def set_method(self, method: LinearMethod) -> None:
+        self.method = method
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output rows split over the ranks; for fused layers each shard is split separately,
+    so a rank holds whole heads of q, k and v (or its part of gate and of up)."""
+
+    def tp_slice(self, name, shard, loaded):
+        size = self.tp.size
+        if size == 1:
+            return loaded
+        rows = loaded.shape[0] // size
+        return loaded.narrow(0, self.tp.rank * rows, rows)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    def __init__(self, hidden, head_dim, num_heads, num_kv_heads, bias, dtype, tp) -> None:
+        # This rank's heads.
+        self.q_size = num_heads // tp.size * head_dim
+        self.kv_size = num_kv_heads // tp.size * head_dim
+        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias, dtype, tp)
+
+    shards = {"q": 0, "k": 1, "v": 2}
+
+    def shard_rows(self, shard):
+        q, kv = self.q_size, self.kv_size
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs of equal width fused (gate/up)."""
+
+    shards = {"gate": 0, "up": 1}
+
+    def __init__(self, in_features, out_each, bias, dtype, tp) -> None:
+        self.out_each = out_each // tp.size
+        super().__init__(in_features, 2 * self.out_each, bias, dtype, tp)
+
+    def shard_rows(self, shard):
+        return self.shards[shard] * self.out_each, self.out_each
+
+
+class RowParallelLinear(LinearBase):
+    """Input columns split over the ranks; ``forward`` all-reduces the partial sums."""
+
+    def __init__(self, in_features, out_features, bias, dtype, tp) -> None:
+        super().__init__(in_features // tp.size, out_features, bias, dtype, tp)
+
+    def tp_slice(self, name, shard, loaded):
+        if self.tp.size == 1 or name != "weight":
+            return loaded
+        cols = loaded.shape[1] // self.tp.size
+        return loaded.narrow(1, self.tp.rank * cols, cols)
+
+    def forward(self, x):
+        return self.tp.all_reduce(self.method.apply(self, x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding, replicated on every rank (no vocab split; see architecture.md).
+    With tied embeddings it is also the LM head, so it carries a method for ``logits``."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden, dtype=dtype)
+        self.bias = None
+        self.method: LinearMethod = DenseMethod()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)  # [num_tokens, hidden]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        return self.method.apply(self, hidden)
+
+    weight_loader = LinearBase.weight_loader
+    set_method = LinearBase.set_method
+
+    def shard_rows(self, shard):
+        return 0, self.weight.shape[0]
+
+    def tp_slice(self, name, shard, loaded):
+        return loaded
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """A separate (untied) LM head [vocab, hidden], replicated."""

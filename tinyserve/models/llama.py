@@ -17,29 +17,29 @@ per-layer paged KV cache and an :class:`AttentionMetadata`. It never sees reques
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.config import ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
 from tinyserve.layers.activation import silu_and_mul
 from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
-from tinyserve.layers.linear import linear
+from tinyserve.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, kv_heads, head_dim],) * 2
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    # Uninitialised: every parameter is overwritten by the loader (missing ones are an error).
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
-        self.tp = tp
         self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
         self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = config.head_dim
@@ -47,13 +47,16 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.qkv_proj = nn.Module()
-        self.qkv_proj.weight = _param(self.q_size + 2 * self.kv_size, hidden, dtype=dtype)
-        self.qkv_proj.bias = (
-            _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attention_bias,
+            dtype,
+            tp,
         )
-        self.o_proj = nn.Module()
-        self.o_proj.weight = _param(hidden, self.q_size, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.q_size, hidden, False, dtype, tp)
 
     def forward(
         self,
@@ -62,7 +65,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = linear(x, self.qkv_proj, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotated together: one set of elementwise ops instead of two.
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
@@ -72,22 +75,21 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(linear(o.reshape(-1, self.q_size), self.o_proj))
+        return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
-        self.tp = tp
-        inter = config.intermediate_size // tp.size  # this rank's share of the MLP width
-        self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = _param(2 * inter, config.hidden_size, dtype=dtype)
-        self.down_proj = nn.Module()
-        self.down_proj.weight = _param(config.hidden_size, inter, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, False, dtype, tp
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, False, dtype, tp
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = silu_and_mul(linear(x, self.gate_up_proj))
-        return self.tp.all_reduce(linear(h, self.down_proj))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,8 +116,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         tp = tp or TPGroup()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers)
         )
@@ -130,7 +131,7 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        x = F.embedding(input_ids, self.embed_tokens.weight)  # [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos_sin = self.rotary_emb.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, kv_cache, meta)
@@ -154,13 +155,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, dtype, max_position, rope_inv_freq, self.tp)
+        # "kernel" (tinyserve/kernels/attention.c) or "torch"; set by the loader.
+        self.attention_backend = "torch"
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
 
     @property
-    def lm_head_module(self) -> nn.Module:
-        """The LM head: the embedding when tied (its ``weight``, and ``quant`` if attached)."""
+    def lm_head_module(self) -> VocabParallelEmbedding:
+        """The LM head: the embedding when tied."""
         return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
 
     @torch.inference_mode()
@@ -177,4 +179,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in)."""
-        return linear(hidden, self.lm_head_module).float()
+        return self.lm_head_module.logits(hidden).float()
+
+    def linear_layers(self) -> dict[str, LinearBase | VocabParallelEmbedding]:
+        """Every matmul of the model by parameter prefix (the LM head once, even if tied)."""
+        layers = {n: m for n, m in self.named_modules() if isinstance(m, LinearBase)}
+        head = "model.embed_tokens" if self.config.tie_word_embeddings else "lm_head"
+        layers[head] = self.lm_head_module
+        return layers

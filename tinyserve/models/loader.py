@@ -288,11 +288,11 @@ class _GGUFCheckpoint:
                 w = _unpermute_qk(w, heads)
             yield hf_name, w, self.path.name
 
-    def attach_blocks(self, net: LlamaForCausalLM) -> int:
-        """Give the model's linears the checkpoint's Q4_1 / Q8_0 blocks (``module.quant``)
-        for the small-batch kernel; returns how many modules got them. q/k rows are put in
-        the same order as the dequantised weights (llama.cpp's permutation undone)."""
-        from tinyserve.kernels import gguf_gemv
+    def packed_blocks(self, net: LlamaForCausalLM) -> dict[str, object]:
+        """The checkpoint's Q4_1 / Q8_0 blocks for each linear whose parts share one kind, by
+        our module prefix (q/k/v and gate/up stacked like the fused float parameters, q/k rows
+        in the dequantised order: llama.cpp's permutation undone)."""
+        from tinyserve.kernels import gemm
 
         config = net.config
 
@@ -300,7 +300,7 @@ class _GGUFCheckpoint:
             t = self.tensors.get(name)
             if t is None or len(t.shape) != 2:
                 return None
-            qw = gguf_gemv.from_gguf(self.file.raw(t), t.qtype, t.shape)
+            qw = gemm.from_gguf(self.file.raw(t), t.qtype, t.shape)
             if qw is not None and heads is not None and self.arch == "llama":
                 order = _unpermute_qk(torch.arange(t.shape[0])[:, None], heads)[:, 0]
                 qw = qw.take_rows(order)
@@ -309,36 +309,28 @@ class _GGUFCheckpoint:
         def fused(parts):
             if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
                 return None
-            return gguf_gemv.cat_rows(parts)
+            return gemm.cat_rows(parts)
 
-        attached = 0
-        for i, layer in enumerate(net.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            b = f"blk.{i}."
-            targets = {
-                attn.qkv_proj: fused(
-                    [
-                        blocks(b + "attn_q.weight", config.num_attention_heads),
-                        blocks(b + "attn_k.weight", config.num_key_value_heads),
-                        blocks(b + "attn_v.weight"),
-                    ]
-                ),
-                attn.o_proj: blocks(b + "attn_output.weight"),
-                mlp.gate_up_proj: fused(
-                    [blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")]
-                ),
-                mlp.down_proj: blocks(b + "ffn_down.weight"),
-            }
-            for module, qw in targets.items():
-                if qw is not None and qw.shape == tuple(module.weight.shape):
-                    module.quant = qw
-                    attached += 1
-        head = net.lm_head_module
-        qw = blocks("token_embd.weight" if config.tie_word_embeddings else "output.weight")
-        if qw is not None and qw.shape == tuple(head.weight.shape):
-            head.quant = qw
-            attached += 1
-        return attached
+        found = {}
+        for i in range(config.num_hidden_layers):
+            b, prefix = f"blk.{i}.", f"model.layers.{i}."
+            found[prefix + "self_attn.qkv_proj"] = fused(
+                [
+                    blocks(b + "attn_q.weight", config.num_attention_heads),
+                    blocks(b + "attn_k.weight", config.num_key_value_heads),
+                    blocks(b + "attn_v.weight"),
+                ]
+            )
+            found[prefix + "self_attn.o_proj"] = blocks(b + "attn_output.weight")
+            found[prefix + "mlp.gate_up_proj"] = fused(
+                [blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")]
+            )
+            found[prefix + "mlp.down_proj"] = blocks(b + "ffn_down.weight")
+        if config.tie_word_embeddings:
+            found["model.embed_tokens"] = blocks("token_embd.weight")
+        else:
+            found["lm_head"] = blocks("output.weight")
+        return {k: v for k, v in found.items() if v is not None}
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -364,39 +356,6 @@ def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- weights -> model
-
-
-def _shard_slice(config: ModelConfig, shard: str, tp_size: int = 1) -> tuple[int, int]:
-    """(offset, rows) of a shard inside this rank's fused parameter."""
-    q, kv = config.q_size // tp_size, config.kv_size // tp_size
-    inter = config.intermediate_size // tp_size
-    return {
-        "q": (0, q),
-        "k": (q, kv),
-        "v": (q + kv, kv),
-        "gate": (0, inter),
-        "up": (inter, inter),
-    }[shard]
-
-
-# Row-parallel weights are split along their input columns; the column-parallel (fused)
-# shards along their output rows; everything else is replicated on every rank.
-_ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-def tp_shard(
-    target: str, shard: str | None, tensor: torch.Tensor, rank: int, size: int
-) -> torch.Tensor:
-    """This rank's slice of a (full) checkpoint tensor that fills ``target``/``shard``."""
-    if size == 1:
-        return tensor
-    if shard is not None:  # q/k/v, gate/up: rows, whole heads per rank
-        rows = tensor.shape[0] // size
-        return tensor.narrow(0, rank * rows, rows)
-    if target.rsplit(".", 2)[-2] in _ROW_PARALLEL and target.endswith(".weight"):
-        cols = tensor.shape[1] // size
-        return tensor.narrow(1, rank * cols, cols)
-    return tensor
 
 
 def map_checkpoint_name(name: str) -> tuple[str, str | None]:
@@ -425,20 +384,20 @@ def load_weights(
     tensors: Iterator[tuple[str, torch.Tensor, str]],
     where: str,
 ) -> None:
-    """Copy (name, tensor, file) triples into the model; every parameter (and every shard of a
-    fused one) must be filled exactly once. Raises ValueError naming the file and tensor."""
+    """Copy (name, tensor, file) triples into the model through each layer's weight loader
+    (which slices for this rank and places fused shards); every parameter, and every shard of
+    a fused one, must be filled exactly once. Raises ValueError naming the file and tensor."""
+    from tinyserve.layers.linear import ShardShapeError, copy_weight
+
     config = model.config
     rank, size = model.tp.rank, model.tp.size
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     needed: set[tuple[str, str | None]] = set()
     for pname in params:
-        leaf = pname.rsplit(".", 2)[-2]
-        if leaf == "qkv_proj":
-            needed |= {(pname, s) for s in ("q", "k", "v")}
-        elif leaf == "gate_up_proj":
-            needed |= {(pname, s) for s in ("gate", "up")}
-        else:
-            needed.add((pname, None))
+        owner = modules[pname.rsplit(".", 1)[0]]
+        shards = getattr(owner, "shards", {})
+        needed |= {(pname, s) for s in shards} if shards else {(pname, None)}
     loaded: set[tuple[str, str | None]] = set()
     for name, tensor, file in tensors:
         if name.endswith("rotary_emb.inv_freq"):
@@ -446,25 +405,22 @@ def load_weights(
         if name.startswith("lm_head.") and config.tie_word_embeddings:
             continue  # some tied checkpoints still store a copy of the embedding
         target, shard = map_checkpoint_name(name)
-        param = params.get(target)
-        if param is None:
+        if target not in params:
             logger.warning("%s: ignoring unexpected tensor %s", file, name)
             continue
-        dest = param.data
-        if shard is not None:
-            offset, rows = _shard_slice(config, shard, size)
-            dest = dest.narrow(0, offset, rows)
-        full = list(tensor.shape)
-        tensor = tp_shard(target, shard, tensor, rank, size)
-        if tuple(tensor.shape) != tuple(dest.shape):
-            sliced = (
-                f"; its rank-{rank} slice of {size} is {list(tensor.shape)}" if size > 1 else ""
-            )
+        prefix, leaf = target.rsplit(".", 1)
+        owner = modules[prefix]
+        try:
+            if hasattr(owner, "weight_loader"):
+                owner.weight_loader(leaf, tensor, shard)
+            else:
+                copy_weight(getattr(owner, leaf).data, tensor)
+        except ShardShapeError as e:
+            sliced = f"; its rank-{rank} slice of {size} is {e.got}" if e.sliced else ""
             raise ValueError(
-                f"{file}: tensor {name} has shape {full}{sliced} but the config "
-                f"({where}) expects {list(dest.shape)}"
-            )
-        dest.copy_(tensor)
+                f"{file}: tensor {name} has shape {list(tensor.shape)}{sliced} but the config "
+                f"({where}) expects {e.expected}"
+            ) from None
         loaded.add((target, shard))
     missing = sorted(checkpoint_name(p, s) for p, s in needed - loaded)
     if missing:
@@ -480,11 +436,15 @@ def load_model(
     device: torch.device | str = "cpu",
     max_position: int | None = None,
     tp: TPGroup | None = None,
-    gguf_kernels: bool = True,
+    cpu_kernels: bool = True,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSource]:
-    """Resolve, build and fill the model (this rank's shard of it under tensor parallel).
-    ``gguf_kernels``: for a Q4_1 / Q8_0 GGUF served in fp32 on the CPU, keep the blocks too,
-    for the small-batch kernel (tinyserve/kernels). The tokenizer is loaded separately."""
+    """Resolve, build and fill the model (this rank's shard of it under tensor parallel), then
+    fix each linear layer's method (layers/linear.py: choose_linear_methods): on a CPU with
+    the kernels and fp32, a GGUF's own Q4_1/Q8_0 blocks, int8 if ``quantization="int8"``, or
+    the float32 weight through the same batch-invariant kernel. The tokenizer is separate."""
+    from tinyserve.layers.linear import choose_linear_methods
+
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = _GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, inv_freq = load_model_config(source, ckpt)
@@ -497,20 +457,39 @@ def load_model(
         tensors = _iter_safetensors(source.path)
     load_weights(net, _with_progress(tensors, config), str(source.path))
     net = net.to(device).eval()
-    use_blocks = (
-        ckpt is not None
-        and gguf_kernels
-        and dtype == torch.float32
-        and torch.device(device).type == "cpu"
-        and net.tp.size == 1
+    use_kernels = cpu_kernels and dtype == torch.float32 and torch.device(device).type == "cpu"
+    packed = (
+        ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
-    if use_blocks:
-        from tinyserve.kernels import gguf_gemv
-
-        if gguf_gemv.available():
-            n = ckpt.attach_blocks(net)
-            logger.info("GGUF block kernel on for %d linears (batches up to a few rows)", n)
+    counts = choose_linear_methods(net.linear_layers(), packed, use_kernels, quantization)
+    if use_kernels and _attention_kernel_fits(config, net.tp.size):
+        net.attention_backend = "kernel"
+    logger.info(
+        "linear methods: %s; attention: %s",
+        ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
+        net.attention_backend,
+    )
     return net, source
+
+
+def largest_matmul(model, quantization: str | None = None) -> tuple[str, int, int]:
+    """(weight kind, N, K) of the model's gate/up matmul, read from the config and (for a
+    GGUF) the tensor table only: what worker/autotune.py times before the model loads."""
+    source = model if isinstance(model, ModelSource) else resolve_model_source(model)
+    ckpt = _GGUFCheckpoint(source.path) if source.kind == "gguf" else None
+    config, _ = load_model_config(source, ckpt)
+    kind = "q8_0" if quantization == "int8" else "f32"
+    if ckpt is not None:
+        t = ckpt.tensors.get("blk.0.ffn_gate.weight")
+        kind = {3: "q4_1", 8: "q8_0"}.get(getattr(t, "qtype", None), kind)
+    return kind, 2 * config.intermediate_size, config.hidden_size
+
+
+def _attention_kernel_fits(config: ModelConfig, tp_size: int) -> bool:
+    from tinyserve.kernels import attention
+
+    group = config.num_attention_heads // config.num_key_value_heads
+    return attention.library() is not None and config.head_dim % 8 == 0 and group <= 16
 
 
 def _with_progress(tensors, config: ModelConfig):

@@ -112,6 +112,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.model.dtype,
+            use_kernel=self.model.attention_backend == "kernel",
         )
         ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)

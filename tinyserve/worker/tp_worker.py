@@ -34,6 +34,8 @@ class WorkerSpec:
     max_model_len: int | None
     block_size: int
     tensor_parallel_size: int
+    cpu_kernels: bool = True
+    quantization: str | None = None
 
 
 class WorkerDiedError(RuntimeError):
@@ -128,7 +130,8 @@ def worker_main(
 ) -> None:
     """A non-driver rank: load the shard, allocate the KV shard, run the driver's steps."""
     from tinyserve.models.loader import load_model
-    from tinyserve.worker.device import resolve_device, resolve_dtype
+    from tinyserve.worker.autotune import resolve_engine_dtype
+    from tinyserve.worker.device import resolve_device
     from tinyserve.worker.model_runner import ModelRunner
 
     if not logging.getLogger().handlers:
@@ -137,10 +140,18 @@ def worker_main(
         torch.set_num_threads(threads)
     base = resolve_device(spec.device)
     device = rank_device(base, rank)
-    dtype = resolve_dtype(spec.dtype, base)
+    dtype = resolve_engine_dtype(spec.dtype, base, spec.model, spec.cpu_kernels, spec.quantization)
     group = init_tp_group(rank, size, device, init_method)
     try:
-        model, _ = load_model(spec.model, dtype, device, max_position=spec.max_model_len, tp=group)
+        model, _ = load_model(
+            spec.model,
+            dtype,
+            device,
+            max_position=spec.max_model_len,
+            tp=group,
+            cpu_kernels=spec.cpu_kernels,
+            quantization=spec.quantization,
+        )
         num_blocks = group.broadcast()
         if num_blocks is None:  # the driver failed to start
             return

@@ -1,0 +1,74 @@
+"""``--dtype auto`` on a CPU: the choice rule, the per-CPU cache, and the start-up log."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from tiny_models import build_hf, llama_config, save_hf
+
+from tinyserve.kernels import gemm
+from tinyserve.worker import autotune
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    return save_hf(build_hf(llama_config()), tmp_path_factory.mktemp("llama"))
+
+
+def test_choice_minimises_the_worst_ratio_and_prefers_the_invariant_path():
+    k, b = "float32+kernels", "bfloat16"
+    # bf16 faster only at prefill, much slower at decode: the kernels win.
+    assert (
+        autotune.choose({k: {1: 1.0, 16: 2.0, 128: 10.0}, b: {1: 3.0, 16: 3.0, 128: 8.0}})[0] == k
+    )
+    # bf16 faster everywhere by 5%: within the 10% preference for the invariant path.
+    t = {k: {1: 1.0, 16: 2.0, 128: 10.0}, b: {1: 0.95, 16: 1.9, 128: 9.5}}
+    assert autotune.choose(t)[0] == k
+    # bf16 twice as fast everywhere (a CPU with native bf16 and a dense checkpoint): bf16.
+    t = {k: {1: 2.0, 16: 4.0, 128: 20.0}, b: {1: 1.0, 16: 2.0, 128: 10.0}}
+    pick, why = autotune.choose(t)
+    assert pick == b and "bfloat16" in why and "@128" in why
+
+
+@pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
+def test_calibration_is_measured_once_per_cpu_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_LLC_BYTES", 4 << 20)  # small weights: a fast test
+    calls = []
+    real = autotune._measure
+    monkeypatch.setattr(autotune, "_measure", lambda *a: calls.append(a) or real(*a))
+    first = autotune.choose_cpu_dtype("q4_1", 256, 128)
+    assert first.dtype in (torch.float32, torch.bfloat16)
+    assert first.reason.startswith("measured in")
+    assert set(first.timings_ms) == {"float32+kernels", "bfloat16"}
+    second = autotune.choose_cpu_dtype("q4_1", 256, 128)
+    assert second.reason.startswith("cached calibration") and second.dtype == first.dtype
+    assert len(calls) == 1  # the second start measured nothing
+    cache = json.loads((tmp_path / "calibration.json").read_text())
+    (key,) = cache
+    from tinyserve.utils.cpu import cpu_model_name
+
+    assert key.startswith(cpu_model_name()) and key.endswith("|q4_1|256x128")
+
+
+@pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
+def test_engine_logs_the_dtype_choice_and_why(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    from tinyserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_LLC_BYTES", 4 << 20)
+    with caplog.at_level(logging.INFO):
+        engine = LLMEngine(model=str(tiny_llama_dir), num_blocks=16, load_tokenizer=False)
+    lines = [r.getMessage() for r in caplog.records if "--dtype auto ->" in r.getMessage()]
+    assert len(lines) == 1 and "float32+kernels" in lines[0], lines
+    cfg = engine.model_config
+    cached = autotune.choose_cpu_dtype("f32", 2 * cfg.intermediate_size, cfg.hidden_size)
+    assert cached.reason.startswith("cached") and engine.dtype == cached.dtype
+    # A flag still overrides: no calibration at all.
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        LLMEngine(model=str(tiny_llama_dir), num_blocks=16, load_tokenizer=False, dtype="float32")
+    assert not any("--dtype auto" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,196 @@
+"""The CPU kernels (tinyserve/kernels): block parsing equals the gguf package's
+dequantisation; the matmul equals a float64 reference on those weights for every weight
+kind; each output is bitwise the same whatever the row count, tiling and thread count (the
+batch-invariance contract); int8 stays within its stated bound; the block-table attention
+equals the reference attention; SmolLM2's logits through the kernels stay within float
+rounding of the torch path."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+from paged_runner import PagedRunner
+
+from tinyserve.kernels import attention as attention_kernel
+from tinyserve.kernels import build, gemm
+from tinyserve.layers.attention import reference_paged_attention
+from tinyserve.layers.linear import PackedMethod
+from tinyserve.models.loader import load_model
+
+Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+
+
+def random_blocks(qtype, n: int, k: int, seed: int) -> np.ndarray:
+    """GGUF bytes for an [n, k] tensor with random scales and codes."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    if qtype == Q4_1:
+        d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
+        m = rng.uniform(-0.2, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
+        qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+        return np.concatenate([d, m, qs], axis=-1).reshape(n, nb * 20)
+    d = rng.uniform(0.001, 0.02, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
+    return np.concatenate([d, qs], axis=-1).reshape(n, nb * 34)
+
+
+needs_kernel = pytest.mark.skipif(
+    not gemm.available(), reason="needs an x86 CPU with AVX2/FMA/F16C and a C compiler"
+)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_blocks_dequantise_like_the_gguf_package(qtype):
+    raw = random_blocks(qtype, 37, 96, seed=1)
+    qw = gemm.from_gguf(raw, int(qtype), (37, 96))
+    want = torch.from_numpy(dequantize(raw, qtype).reshape(37, 96).astype(np.float32))
+    assert torch.equal(qw.dequantize(), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_equals_dense_fp32(qtype, rows, threads):
+    n, k = 203, 320  # n not a multiple of anything; k = 10 blocks
+    qw = gemm.from_gguf(random_blocks(qtype, n, k, seed=rows), int(qtype), (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = (x.double() @ qw.dequantize().double().T).float()
+    got = gemm.matmul(x, qw, num_threads=threads)
+    assert got.shape == (rows, n)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_kernel
+def test_take_rows_and_cat_rows_keep_rows_with_their_blocks():
+    a = gemm.from_gguf(random_blocks(Q4_1, 8, 64, 2), int(Q4_1), (8, 64))
+    b = gemm.from_gguf(random_blocks(Q4_1, 4, 64, 3), int(Q4_1), (4, 64))
+    order = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4])
+    fused = gemm.cat_rows([a.take_rows(order), b])
+    want = torch.cat([a.dequantize()[order], b.dequantize()])
+    assert torch.equal(fused.dequantize(), want)
+    x = torch.randn(2, 64)
+    assert torch.allclose(gemm.matmul(x, fused), x @ want.T, atol=1e-5, rtol=1e-5)
+
+
+def packed_weight(kind: str, n: int, k: int, seed: int) -> gemm.PackedWeight:
+    if kind == "q4_1":
+        return gemm.from_gguf(random_blocks(Q4_1, n, k, seed), int(Q4_1), (n, k))
+    if kind == "q8_0":
+        return gemm.from_gguf(random_blocks(Q8_0, n, k, seed), int(Q8_0), (n, k))
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return gemm.from_dense(w) if kind == "f32" else gemm.quantize_int8(w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "int8"])
+def test_every_kind_matches_the_reference_and_is_batch_invariant(kind):
+    n, k = 203, 320
+    w = packed_weight(kind, n, k, seed=7)
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(8))
+    want = (x.double() @ w.dequantize().double().T).float()
+    full = gemm.matmul(x, w, num_threads=2)
+    assert (full - want).abs().max() <= 1e-5 * want.abs().max()
+    # Any leading slice of the rows (1, 2: decode tiles; 3..: panel tiles with remainders;
+    # > 48: several panels), any thread count: bitwise the same rows.
+    for rows in (1, 2, 3, 7, 13, 33, 49, 64):
+        for threads in (1, 2):
+            assert torch.equal(gemm.matmul(x[:rows], w, num_threads=threads), full[:rows])
+    # A row's result does not depend on which rows come before it either.
+    assert torch.equal(gemm.matmul(x[37:38], w), full[37:38])
+
+
+@needs_kernel
+def test_int8_per_channel_error_bound():
+    """Weight-only int8, one scale per output channel: |w - w_q| <= s / 2 with
+    s = max|w_row| / 127, so |y - y_q| <= (s / 2) * sum|x|. Checked per output."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    q = gemm.quantize_int8(w)
+    scale = w.abs().amax(dim=1) / 127
+    assert ((q.dequantize() - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    err = (gemm.matmul(x, q) - x @ w.T).abs()
+    bound = x.abs().sum(dim=1, keepdim=True) * scale[None, :] / 2
+    assert (err <= bound + 1e-4).all()
+
+
+def _random_paged_case(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    # q as the model passes it: the first heads of a fused [tokens, q + k heads, dim] tensor.
+    qk = torch.randn(sum(query_lens), num_heads + num_kv_heads, head_dim, generator=gen)
+    return qk[:, :num_heads], k_cache, v_cache, tables
+
+
+needs_attention_kernel = pytest.mark.skipif(
+    attention_kernel.library() is None, reason="needs an x86 CPU with AVX2/FMA and a C compiler"
+)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [(9, 3, 64, 16), (4, 2, 16, 4), (4, 4, 32, 1), (8, 1, 128, 8)],
+)
+def test_block_table_attention_matches_the_reference(heads, kv_heads, dim, block_size):
+    from tinyserve.layers.attention import AttentionMetadata, paged_attention
+
+    query_lens = [1, 1, 7, 1, 16, 3]
+    seq_lens = [1, 37, 40, 2 * block_size, 16, 3 * block_size + 1]
+    q, kc, vc, tables = _random_paged_case(heads, kv_heads, dim, block_size, query_lens,
+                                           seq_lens, seed=heads)  # fmt: skip
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, use_kernel=True)
+    assert meta.kernel is not None and meta.groups == []  # no padded masks built
+    got = paged_attention(q, kc, vc, meta, dim**-0.5)
+    want = reference_paged_attention(q, kc, vc, query_lens, seq_lens, tables, dim**-0.5)
+    assert (got - want).abs().max() < 1e-5
+    # Each sequence alone gives bitwise the same rows as in the batch.
+    start = 0
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        alone = AttentionMetadata.build([ql], [sl], [tables[i]], block_size, use_kernel=True)
+        out = paged_attention(q[start : start + ql], kc, vc, alone, dim**-0.5)
+        assert torch.equal(out, got[start : start + ql])
+        start += ql
+
+
+@needs_kernel
+def test_smollm2_logits_through_the_kernels_and_through_torch(smollm2_gguf_path):
+    with_k, _ = load_model(smollm2_gguf_path, torch.float32, "cpu")
+    without, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", cpu_kernels=False)
+    layers = with_k.linear_layers()
+    assert len(layers) == 4 * with_k.config.num_hidden_layers + 1  # 4 per layer + LM head
+    kinds = {name: layer.method.name for name, layer in layers.items()}
+    assert all(isinstance(layer.method, PackedMethod) for layer in layers.values())
+    assert kinds["model.embed_tokens"] == "kernel-q8_0"  # the tied head, from its own blocks
+    assert {kinds[n] for n in kinds if n.startswith("model.layers.")} == {"kernel-q4_1"}
+    assert with_k.attention_backend == "kernel"
+    assert without.attention_backend == "torch"
+    assert {layer.method.name for layer in without.linear_layers().values()} == {"dense"}
+    tokens = list(range(200, 236))
+    a = PagedRunner(with_k, 16).prefill_then_decode(tokens, 20)
+    b = PagedRunner(without, 16).prefill_then_decode(tokens, 20)
+    assert (a - b).abs().max() < 1e-3
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("TINYSERVE_CPU_KERNELS", "0")
+    build.load.cache_clear()
+    gemm.library.cache_clear()
+    try:
+        assert not gemm.available()
+    finally:
+        monkeypatch.delenv("TINYSERVE_CPU_KERNELS")
+        build.load.cache_clear()
+        gemm.library.cache_clear()

@@ -1,0 +1,69 @@
+"""Paged attention through the block table (attention.c, AVX2 + FMA, float32).
+
+Reads each sequence's K/V where they lie in the paged cache — no gathered copy of the
+context, no padded mask — and computes every (query row, KV head) in one fixed order, so a
+row's output does not depend on the other rows of the step (batch invariance). The torch
+path (layers/attention.py) is used where this kernel cannot run: no AVX2, head_dim not a
+multiple of 8, or non-float32 caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tinyserve.kernels.build import kernel_threads, load
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    lib = load("attention")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.paged_attention.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
+                                        ctypes.c_float, p, i32]  # fmt: skip
+        lib.paged_attention.restype = ctypes.c_int
+    return lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    return (
+        library() is not None
+        and q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == torch.float32
+        and head_dim % 8 == 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 16
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous within a token
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # int64 [num_seqs + 1]
+    seq_lens: torch.Tensor,  # int64 [num_seqs]
+    seq_of_token: torch.Tensor,  # int64 [num_tokens]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    if num_tokens == 0:
+        return out
+    rc = library().paged_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+        num_heads, num_kv_heads, head_dim, query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        seq_of_token.data_ptr(), num_tokens, block_tables.data_ptr(), block_tables.shape[1],
+        scale, out.data_ptr(), kernel_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("paged attention: could not allocate its scratch memory")
+    return out

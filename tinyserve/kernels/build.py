@@ -1,0 +1,94 @@
+"""Compile a kernel's C source once into the cache folder and load it with ctypes (whose
+calls release the GIL).
+
+Each source is built for one ISA level with the system C compiler, named by a hash of the
+source and flags, so an edited kernel or another CPU never loads a stale library. Without a
+compiler, on a CPU without the ISA, or with ``TINYSERVE_CPU_KERNELS=0``, :func:`load` returns
+None (reason logged once) and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tinyserve.utils.cache import cache_dir
+from tinyserve.utils.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+# ISA level -> (the /proc/cpuinfo flags it needs, compiler flags).
+ISA_LEVELS = {
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+}
+
+
+def isa_level() -> str | None:
+    """The best ISA level this CPU supports that we have kernels for."""
+    for level, (needs, _) in ISA_LEVELS.items():
+        if needs <= cpu_flags():
+            return level
+    return None
+
+
+def kernels_enabled() -> bool:
+    env = os.environ.get("TINYSERVE_CPU_KERNELS", os.environ.get("TINYSERVE_GGUF_KERNELS", "1"))
+    return env != "0"
+
+
+def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc / gcc) on PATH")
+    so_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=so_path.parent) as tmp:
+        out = Path(tmp) / so_path.name
+        # -ffp-contract=off: the kernels spell out every FMA; the compiler must not fuse others
+        # differently in different specialisations (batch invariance depends on it).
+        cmd = [cc, "-O3", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+               "-o", str(out), str(source)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        out.replace(so_path)  # atomic: concurrent builders never see half a file
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """``tinyserve/kernels/<name>.c`` compiled for this CPU, or None when unusable here."""
+    if not kernels_enabled():
+        return None
+    level = isa_level()
+    if level is None:
+        logger.info("CPU kernels off: this CPU lacks AVX2/FMA/F16C")
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    flags = ISA_LEVELS[level][1]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest}.so"
+    try:
+        if not so_path.exists():
+            _compile(source, so_path, flags)
+        return ctypes.CDLL(str(so_path))
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU kernel %s off (torch path instead): %s", name, e)
+        return None
+
+
+def kernel_threads() -> int:
+    """Threads for the kernels: $TINYSERVE_KERNEL_THREADS, else torch's intra-op thread count
+    (which tensor parallel lowers per rank), capped by the CPUs this process may use."""
+    import torch
+
+    from tinyserve.utils.cpu import usable_cpus
+
+    return int(os.environ.get("TINYSERVE_KERNEL_THREADS", 0)) or min(
+        usable_cpus(), torch.get_num_threads()
+    )

@@ -1,0 +1,198 @@
+// y[r, n] = sum_k W[n, k] * x[r, k] for any number of rows r, from weights stored as
+//   kind 0  Q4_1 blocks (GGUF): qs[N, K/32, 16] low nibbles = weights 0..15 of the block,
+//           high = 16..31; d, m float32 [N, K/32]: w = d * q + m
+//   kind 1  Q8_0 blocks (GGUF) or int8 per channel: qs int8 [N, K], d float32 [N, K/32]:
+//           w = d * q
+//   kind 2  float32 [N, K] (the dense weight, for the batch-invariant path)
+// AVX2 + FMA, K % 32 == 0.
+//
+// Batch invariance is the contract: every output y[r, n] is computed by the same sequence
+// of float operations whatever M is, however rows and outputs are tiled, and however many
+// threads run. Each weight block is dequantised to 4 x 8 floats (the same ops every time),
+// one 8-lane accumulator per (n, r) takes acc = fma(w, x, acc) over the blocks in order,
+// and the 8 lanes are summed last in a fixed tree. Tiling only decides which (n, r) pairs
+// share a dequantised block; it never changes what is added to what.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int kind;
+    const void *qs;
+    const float *d, *m;
+    int64_t K;
+} weight_t;
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+// The 8 weights j*8 .. j*8+7 of block b of output row n, as floats.
+INLINE __m256 weights8(const weight_t *w, int64_t n, int64_t b, int j) {
+    const int64_t nb = w->K / 32;
+    if (w->kind == 0) {
+        const uint8_t *q = (const uint8_t *)w->qs + (n * nb + b) * 16 + (j & 1) * 8;
+        __m128i raw = _mm_loadl_epi64((const __m128i *)q);
+        if (j >= 2) raw = _mm_srli_epi16(raw, 4);
+        raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
+        return _mm256_fmadd_ps(_mm256_set1_ps(w->d[n * nb + b]), qf,
+                               _mm256_set1_ps(w->m[n * nb + b]));
+    }
+    if (w->kind == 1) {
+        const int8_t *q = (const int8_t *)w->qs + n * w->K + b * 32 + j * 8;
+        __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+        return _mm256_mul_ps(_mm256_set1_ps(w->d[n * nb + b]), qf);
+    }
+    return _mm256_loadu_ps((const float *)w->qs + n * w->K + b * 32 + j * 8);
+}
+
+// One tile: NT output rows x MT activation rows, accumulators in registers.
+INLINE void tile(const weight_t *w, int64_t n0, const int NT, const float *x, int64_t ldx,
+                 const int MT, float *y, int64_t ldy) {
+    __m256 acc[8][6];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < MT; r++) acc[i][r] = _mm256_setzero_ps();
+    const int64_t nb = w->K / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int j = 0; j < 4; j++) {
+            __m256 wv[8];
+            for (int i = 0; i < NT; i++) wv[i] = weights8(w, n0 + i, b, j);
+            for (int r = 0; r < MT; r++) {
+                __m256 xv = _mm256_loadu_ps(x + r * ldx + b * 32 + j * 8);
+                for (int i = 0; i < NT; i++) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < MT; r++) y[r * ldy + n0 + i] = hsum(acc[i][r]);
+}
+
+// The same tile over float32 rows (the dequantised buffer, or a dense weight).
+INLINE void tile_f32(const weight_t *w, int64_t n0, const int NT, const float *x, int64_t ldx,
+                     const int MT, float *y, int64_t ldy) {
+    weight_t c = *w;
+    c.kind = 2;
+    tile(&c, n0, NT, x, ldx, MT, y, ldy);
+}
+
+// Few rows (decode): many outputs per tile so enough independent FMA chains are in flight.
+#define NT_FEW1 6
+#define NT_FEW2 4
+// Many rows (prefill, big batches): a 2 x 6 register tile, rows in panels that stay in L2.
+#define NT_MANY 2
+#define MT_MANY 6
+#define PANEL 48
+
+INLINE void tiles_few(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
+                      int64_t ldy, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    if (M == 1)
+        for (; n + NT_FEW1 <= n1; n += NT_FEW1) tile(w, n, NT_FEW1, x, ldx, 1, y, ldy);
+    else
+        for (; n + NT_FEW2 <= n1; n += NT_FEW2) tile(w, n, NT_FEW2, x, ldx, 2, y, ldy);
+    for (; n < n1; n++) {
+        if (M == 1) tile(w, n, 1, x, ldx, 1, y, ldy);
+        else tile(w, n, 1, x, ldx, 2, y, ldy);
+    }
+}
+
+static void rows_kind(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
+                      int64_t ldy, int64_t n0, int64_t n1) {
+    if (M <= 2) {
+        tiles_few(w, x, ldx, M, y, ldy, n0, n1);
+        return;
+    }
+    // Quantised weights: each pair of output rows is dequantised once per panel into a
+    // float buffer (the same floats weights8 gives) and the float tile runs over it, so the
+    // dequantisation is shared by the panel's rows instead of by one register tile.
+    float *buf = w->kind == 2 ? NULL : (float *)aligned_alloc(32, NT_MANY * w->K * sizeof(float));
+    weight_t wb = {2, buf, NULL, NULL, w->K};
+    for (int p0 = 0; p0 < M; p0 += PANEL) {
+        const int pm = M - p0 < PANEL ? M - p0 : PANEL;
+        const float *xp = x + (int64_t)p0 * ldx;
+        float *yp = y + (int64_t)p0 * ldy;
+        int64_t n = n0;
+        for (; n + NT_MANY <= n1; n += NT_MANY) {
+            const weight_t *wt = w;
+            int64_t nt = n;
+            if (buf != NULL) {
+                for (int i = 0; i < NT_MANY; i++)
+                    for (int64_t b = 0; b < w->K / 32; b++)
+                        for (int j = 0; j < 4; j++)
+                            _mm256_storeu_ps(buf + i * w->K + b * 32 + j * 8, weights8(w, n + i, b, j));
+                wt = &wb;
+                nt = 0;
+            }
+            // yt points at the tile's first output column relative to nt.
+            float *yt = yp + (n - nt);
+            int r = 0;
+            for (; r + MT_MANY <= pm; r += MT_MANY)
+                tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, MT_MANY, yt + r * ldy, ldy);
+            switch (pm - r) {
+                case 5: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 5, yt + r * ldy, ldy); break;
+                case 4: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 4, yt + r * ldy, ldy); break;
+                case 3: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 3, yt + r * ldy, ldy); break;
+                case 2: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 2, yt + r * ldy, ldy); break;
+                case 1: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 1, yt + r * ldy, ldy); break;
+                default: break;
+            }
+        }
+        for (; n < n1; n++)
+            for (int r = 0; r < pm; r++) tile(w, n, 1, xp + r * ldx, ldx, 1, yp + r * ldy, ldy);
+    }
+    free(buf);
+}
+
+// One specialised copy per weight kind (the kind branch folds away inside each).
+static void rows_q4_1(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
+                      int64_t ldy, int64_t n0, int64_t n1) {
+    weight_t c = *w;
+    c.kind = 0;
+    rows_kind(&c, x, ldx, M, y, ldy, n0, n1);
+}
+static void rows_q8_0(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
+                      int64_t ldy, int64_t n0, int64_t n1) {
+    weight_t c = *w;
+    c.kind = 1;
+    rows_kind(&c, x, ldx, M, y, ldy, n0, n1);
+}
+static void rows_f32(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
+                     int64_t ldy, int64_t n0, int64_t n1) {
+    weight_t c = *w;
+    c.kind = 2;
+    rows_kind(&c, x, ldx, M, y, ldy, n0, n1);
+}
+
+// Entry point (ctypes). Output rows are split over threads in multiples of 6 (so a thread
+// boundary never splits a tile differently; not needed for the numbers, kept for speed).
+void gemm(int kind, const void *qs, const float *d, const float *m, const float *x,
+          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
+    weight_t w = {kind, qs, d, m, K};
+    void (*fn)(const weight_t *, const float *, int64_t, int, float *, int64_t, int64_t,
+               int64_t) = kind == 0 ? rows_q4_1 : kind == 1 ? rows_q8_0 : rows_f32;
+    if (nthreads <= 1 || N < 12) {
+        fn(&w, x, ldx, M, y, ldy, 0, N);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int t = 0, T = 1;
+#endif
+        int64_t units = (N + 5) / 6, per = (units + T - 1) / T;
+        int64_t n0 = t * per * 6, n1 = (t + 1) * per * 6;
+        if (n1 > N) n1 = N;
+        if (n0 < n1) fn(&w, x, ldx, M, y, ldy, n0, n1);
+    }
+}

@@ -1,0 +1,157 @@
+"""Matmuls of any row count from packed weights (gemm.c, AVX2 + FMA): a GGUF's Q4_1 / Q8_0
+blocks, int8 with per-channel scales, or plain float32.
+
+Two reasons to own this matmul rather than call torch's GEMM:
+
+* **Bytes per weight.** A decode step reads every weight once; Q4_1 is 0.75 bytes per weight
+  (4-bit codes plus a float32 scale and minimum per 32), int8 ~1, fp32 4. The kernel
+  dequantises in registers, so a few-row matmul costs what reading the blocks costs.
+* **One numeric path whatever the batch.** Each output element is summed in the same order
+  for 1 row or 500 (see gemm.c), so a request's logits do not depend on how many other rows
+  share its step. torch's GEMM picks different blockings for different row counts.
+
+The weights are exactly the checkpoint's (fp16 scales widened without rounding); only the
+summation order differs from dequantise-then-matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tinyserve.kernels.build import kernel_threads, load
+
+Q4_1, Q8_0, F32 = "q4_1", "q8_0", "f32"
+_KIND_IDS = {Q4_1: 0, Q8_0: 1, F32: 2}
+_GGML_TYPES = {3: Q4_1, 8: Q8_0}  # GGML type ids
+_BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    lib = load("gemm")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.gemm.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i32, i32]
+        lib.gemm.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+@dataclass
+class PackedWeight:
+    """A [N, K] weight as the kernel reads it: ``qs`` codes (or the float32 rows), ``d``
+    scales and ``m`` minima (Q4_1) widened to float32, one row of K/32 blocks per output."""
+
+    kind: str
+    qs: torch.Tensor  # uint8 [N, K/32, 16] (Q4_1), int8 [N, K] (Q8_0), float32 [N, K] (F32)
+    d: torch.Tensor | None  # float32 [N, K/32] (Q4_1, Q8_0)
+    m: torch.Tensor | None  # float32 [N, K/32] (Q4_1)
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def take_rows(self, index: torch.Tensor) -> PackedWeight:
+        """Rows reordered / selected (e.g. undoing llama.cpp's q/k row permutation)."""
+
+        def pick(t):
+            return None if t is None else t[index].contiguous()
+
+        return PackedWeight(
+            self.kind, pick(self.qs), pick(self.d), pick(self.m), (len(index), self.shape[1])
+        )
+
+    def narrow_rows(self, start: int, length: int) -> PackedWeight:
+        return self.take_rows(torch.arange(start, start + length))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (the reference the tests compare against)."""
+        n, k = self.shape
+        if self.kind == F32:
+            return self.qs
+        if self.kind == Q8_0:
+            return (self.qs.float().view(n, k // 32, 32) * self.d[..., None]).view(n, k)
+        lo, hi = self.qs & 0x0F, self.qs >> 4
+        q = torch.cat([lo, hi], dim=-1).float()  # [N, K/32, 32]
+        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
+
+
+def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Stack weights of one kind along the output rows (fused q/k/v, gate/up)."""
+    kind, k = parts[0].kind, parts[0].shape[1]
+    if any(p.kind != kind or p.shape[1] != k for p in parts):
+        raise ValueError("cat_rows: parts differ in kind or width")
+
+    def cat(name):
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts)
+
+    n = sum(p.shape[0] for p in parts)
+    return PackedWeight(kind, cat("qs"), cat("d"), cat("m"), (n, k))
+
+
+def from_gguf(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> PackedWeight | None:
+    """A GGUF tensor's bytes ([N, bytes per row]) as a PackedWeight, or None for other types."""
+    kind = _GGML_TYPES.get(qtype)
+    n, k = shape
+    if kind is None or k % 32 != 0:
+        return None
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, _BLOCK_BYTES[kind])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == Q4_1:
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        qs = torch.from_numpy(blocks[..., 4:20].copy())
+        return PackedWeight(kind, qs, d, m, shape)
+    qs = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8).reshape(n, k))
+    return PackedWeight(kind, qs, d, None, shape)
+
+
+def from_dense(w: torch.Tensor) -> PackedWeight | None:
+    """A float weight as float32 rows (the batch-invariant dense path); None if K % 32."""
+    n, k = w.shape
+    if k % 32 != 0:
+        return None
+    return PackedWeight(F32, w.detach().float().contiguous(), None, None, (n, k))
+
+
+def quantize_int8(w: torch.Tensor) -> PackedWeight | None:
+    """Weight-only int8 with one scale per output channel: q = round(w / s), s = max|w| / 127.
+    Stored as Q8_0 blocks whose scales are all the channel's scale. None if K % 32."""
+    n, k = w.shape
+    if k % 32 != 0:
+        return None
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
+    qs = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    d = scale[:, None].expand(n, k // 32).contiguous()
+    return PackedWeight(Q8_0, qs, d, None, (n, k))
+
+
+def matmul(x: torch.Tensor, w: PackedWeight, num_threads: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32."""
+    lib = library()
+    assert lib is not None, "CPU kernels are not available"
+    x = x.contiguous()
+    m_rows, k = x.shape
+    n = w.shape[0]
+    if k != w.shape[1] or x.dtype != torch.float32:
+        raise ValueError(f"matmul: x {tuple(x.shape)} {x.dtype} vs weight {w.shape}")
+    y = torch.empty(m_rows, n, dtype=torch.float32)
+    if m_rows == 0:
+        return y
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    lib.gemm(_KIND_IDS[w.kind], ptr(w.qs), ptr(w.d), ptr(w.m), x.data_ptr(), k, y.data_ptr(),
+             n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
+    return y

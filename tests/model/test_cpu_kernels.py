@@ -194,3 +194,37 @@ def test_kernels_can_be_switched_off(monkeypatch):
         monkeypatch.delenv("TINYSERVE_CPU_KERNELS")
         build.load.cache_clear()
         gemm.library.cache_clear()
+
+
+needs_ops = pytest.mark.skipif(
+    __import__("tinyserve.kernels.ops", fromlist=["library"]).library() is None,
+    reason="needs an x86 CPU with AVX2/FMA and a C compiler",
+)
+
+
+@needs_ops
+def test_fused_residual_rms_norm_and_silu_and_mul_match_torch_row_by_row():
+    import torch.nn.functional as F
+
+    from tinyserve.kernels import ops
+
+    gen = torch.Generator().manual_seed(11)
+    x, res, w = (
+        torch.randn(21, 576, generator=gen),
+        torch.randn(21, 576, generator=gen),
+        torch.randn(576, generator=gen),
+    )
+    want = F.rms_norm((x + res).double(), (576,), w.double(), 1e-5)
+    summed = res.clone()
+    got = ops.rms_norm(x, w, 1e-5, summed)
+    assert torch.equal(summed, x + res)  # the residual stream gets the same fp32 sum
+    assert (got - want).abs().max() < 1e-5
+    plain = ops.rms_norm(x, w, 1e-5)
+    assert (plain - F.rms_norm(x.double(), (576,), w.double(), 1e-5)).abs().max() < 1e-5
+    gate_up = torch.randn(21, 2 * 1536, generator=gen) * 4
+    act = ops.silu_and_mul(gate_up)
+    ref = F.silu(gate_up[:, :1536].double()) * gate_up[:, 1536:].double()
+    assert (act - ref).abs().max() <= 1e-6 * ref.abs().max()
+    for i in (0, 7, 20):  # each row alone: bitwise the same as in the batch
+        assert torch.equal(ops.rms_norm(x[i : i + 1], w, 1e-5), plain[i : i + 1])
+        assert torch.equal(ops.silu_and_mul(gate_up[i : i + 1].contiguous()), act[i : i + 1])

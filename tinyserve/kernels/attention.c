@@ -12,6 +12,8 @@
 // the keys, so a row's output never depends on which other rows share the step (batch
 // invariance), only on its own context.
 #include <immintrin.h>
+
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,37 +21,11 @@
 #include <omp.h>
 #endif
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), ~1 ulp: Cephes' range reduction
-// x = n ln2 + r and a degree-5 polynomial for exp(r), n put into the exponent bits.
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(n));
-}
-
 static inline float dot(const float *a, const float *b, int D) {
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
     for (int d = 8; d < D; d += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    return hsum(acc);
+    return hsum8(acc);
 }
 
 static __thread float *scratch = NULL;
@@ -90,7 +66,7 @@ static int attend(const float *q, int64_t q_stride, const float *k_cache, const 
         for (int64_t j = n_keys; j < stride; j++) sh[j] = -INFINITY;
         __m256 m = _mm256_set1_ps(mx[h]), sum = _mm256_setzero_ps();
         for (int64_t j = 0; j < stride; j += 8) {
-            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m));
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m));
             if (j + 8 > n_keys) {  // the padding lanes count for nothing
                 __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n_keys - j)), lane);
@@ -99,7 +75,7 @@ static int attend(const float *q, int64_t q_stride, const float *k_cache, const 
             _mm256_storeu_ps(sh + j, e);
             sum = _mm256_add_ps(sum, e);
         }
-        inv[h] = 1.0f / hsum(sum);
+        inv[h] = 1.0f / hsum8(sum);
         for (int d = 0; d < D; d++) acc[h * D + d] = 0.0f;
     }
     for (int64_t j = 0; j < n_keys; j++) {

@@ -71,7 +71,8 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     source = Path(__file__).with_name(f"{name}.c")
     flags = ISA_LEVELS[level][1]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    shared = source.with_name("simd.h").read_bytes()  # included by every kernel
+    digest = hashlib.sha256(source.read_bytes() + shared + " ".join(flags).encode()).hexdigest()[:16]
     so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest}.so"
     try:
         if not so_path.exists():

@@ -13,6 +13,8 @@
 // and the 8 lanes are summed last in a fixed tree. Tiling only decides which (n, r) pairs
 // share a dequantised block; it never changes what is added to what.
 #include <immintrin.h>
+
+#include "simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -27,13 +29,6 @@ typedef struct {
     const float *d, *m;
     int64_t K;
 } weight_t;
-
-INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 // The 8 weights j*8 .. j*8+7 of block b of output row n, as floats.
 INLINE __m256 weights8(const weight_t *w, int64_t n, int64_t b, int j) {
@@ -73,7 +68,7 @@ INLINE void tile(const weight_t *w, int64_t n0, const int NT, const float *x, in
         }
     }
     for (int i = 0; i < NT; i++)
-        for (int r = 0; r < MT; r++) y[r * ldy + n0 + i] = hsum(acc[i][r]);
+        for (int r = 0; r < MT; r++) y[r * ldy + n0 + i] = hsum8(acc[i][r]);
 }
 
 // The same tile over float32 rows (the dequantised buffer, or a dense weight).

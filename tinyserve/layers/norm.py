@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation, optionally fused with the
+residual add before it (vLLM's ``norm(x, residual) -> (normed, x + residual)``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.use_kernel = False  # tinyserve/kernels/ops.c; set once by the loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``; the kernel
+        path writes the sum into ``residual`` itself (the layer stack owns that tensor)."""
+        if self.use_kernel:
+            from tinyserve.kernels import ops
+
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, residual), residual
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         if x.dtype == torch.float32:  # one fused op; same arithmetic as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

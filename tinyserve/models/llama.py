@@ -87,9 +87,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, False, dtype, tp
         )
+        self.use_kernel = False  # fused SiLU-and-mul (kernels/ops.c); set once by the loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.use_kernel:
+            from tinyserve.kernels import ops
+
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,9 +106,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, tp)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos_sin, kv_cache, meta):
+        """-> (this layer's output, the residual stream before it is added)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -133,9 +145,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos_sin = self.rotary_emb.cos_sin(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -464,6 +464,7 @@ def load_model(
     counts = choose_linear_methods(net.linear_layers(), packed, use_kernels, quantization)
     if use_kernels and _attention_kernel_fits(config, net.tp.size):
         net.attention_backend = "kernel"
+    _use_fused_ops(net, use_kernels)
     logger.info(
         "linear methods: %s; attention: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
@@ -490,6 +491,21 @@ def _attention_kernel_fits(config: ModelConfig, tp_size: int) -> bool:
 
     group = config.num_attention_heads // config.num_key_value_heads
     return attention.library() is not None and config.head_dim % 8 == 0 and group <= 16
+
+
+def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
+    """The fused residual+RMSNorm and SiLU-and-mul kernels (kernels/ops.c) where they fit."""
+    from tinyserve.kernels import ops
+    from tinyserve.layers.norm import RMSNorm
+    from tinyserve.models.llama import LlamaMLP
+
+    cfg = net.config
+    on = use_kernels and ops.library() is not None
+    for m in net.modules():
+        if isinstance(m, RMSNorm):
+            m.use_kernel = on and cfg.hidden_size % 8 == 0
+        elif isinstance(m, LlamaMLP):
+            m.use_kernel = on and (cfg.intermediate_size // net.tp.size) % 8 == 0
 
 
 def _with_progress(tensors, config: ModelConfig):

@@ -1,0 +1,54 @@
+"""Fused per-layer elementwise ops (ops.c): residual add + RMSNorm, and SiLU-and-mul, for
+float32 CPU tensors. One pass each, rows computed alone (batch-invariant)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tinyserve.kernels.build import kernel_threads, load
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    lib = load("ops")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, i32]
+        lib.silu_and_mul.argtypes = [p, p, i64, i64, i32]
+        lib.rms_norm.restype = lib.silu_and_mul.restype = None
+    return lib
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether the kernels can take ``x`` (float32 CPU, rows contiguous, width % 8)."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[-1] % 8 == 0
+        and x.is_contiguous()
+        and library() is not None
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of ``x`` ([rows, H]); with ``residual``, of ``x + residual``, which is also
+    written back into ``residual`` (in place)."""
+    rows, h = x.shape
+    out = torch.empty_like(x)
+    res = None if residual is None else residual.data_ptr()
+    library().rms_norm(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), rows, h, eps,
+                       kernel_threads())  # fmt: skip
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, two_i = gate_up.shape
+    out = torch.empty(rows, two_i // 2, dtype=torch.float32)
+    library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_i // 2, kernel_threads())
+    return out

@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from tinyserve.utils.cache import cache_dir
 from tinyserve.utils.cpu import cpu_flags
 
@@ -72,7 +74,9 @@ def load(name: str) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.c")
     flags = ISA_LEVELS[level][1]
     shared = source.with_name("simd.h").read_bytes()  # included by every kernel
-    digest = hashlib.sha256(source.read_bytes() + shared + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + shared + " ".join(flags).encode()).hexdigest()[
+        :16
+    ]
     so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest}.so"
     try:
         if not so_path.exists():
@@ -85,11 +89,18 @@ def load(name: str) -> ctypes.CDLL | None:
 
 def kernel_threads() -> int:
     """Threads for the kernels: $TINYSERVE_KERNEL_THREADS, else torch's intra-op thread count
-    (which tensor parallel lowers per rank), capped by the CPUs this process may use."""
-    import torch
+    (which tensor parallel lowers per rank), capped by the CPUs this process may use.
+    Called once per kernel launch, so everything but torch's count is read once."""
+    return _threads_override() or min(_usable(), torch.get_num_threads())
 
+
+@functools.cache
+def _threads_override() -> int:
+    return int(os.environ.get("TINYSERVE_KERNEL_THREADS", 0))
+
+
+@functools.cache
+def _usable() -> int:
     from tinyserve.utils.cpu import usable_cpus
 
-    return int(os.environ.get("TINYSERVE_KERNEL_THREADS", 0)) or min(
-        usable_cpus(), torch.get_num_threads()
-    )
+    return usable_cpus()

@@ -51,3 +51,37 @@ void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t I, int
         }
     }
 }
+
+// Rotary embedding (rotate-half) of q and k, in place in the fused qkv rows, and the step's
+// K and V written into the paged cache at their slots: one pass instead of ~10 torch ops.
+//   qkv [T, (H + 2 KVH) * D]; cos, sin [T, D/2] (this step's positions); caches
+//   [num_blocks * block_size, KVH, D] flat by slot; slots [T]. D % 16 == 0.
+// Same arithmetic as the torch path (x1 * c - x2 * s, x2 * c + x1 * s; no fused multiply-add).
+void rope_and_cache(float *qkv, const float *cos, const float *sin, float *k_cache,
+                    float *v_cache, const int64_t *slots, int64_t T, int H, int KVH, int D,
+                    int nthreads) {
+    const int half = D / 2, heads = H + KVH;
+    const int64_t row = (int64_t)(H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 8)
+    for (int64_t t = 0; t < T; t++) {
+        float *r = qkv + t * row;
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int h = 0; h < heads; h++) {
+            float *x = r + (int64_t)h * D;
+            for (int i = 0; i < half; i += 8) {
+                __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                __m256 o1 = _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv));
+                __m256 o2 = _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv));
+                _mm256_storeu_ps(x + i, o1);
+                _mm256_storeu_ps(x + half + i, o2);
+            }
+        }
+        float *kc = k_cache + slots[t] * KVH * D, *vc = v_cache + slots[t] * KVH * D;
+        const float *k = r + (int64_t)H * D, *v = k + (int64_t)KVH * D;
+        for (int i = 0; i < KVH * D; i += 8) {
+            _mm256_storeu_ps(kc + i, _mm256_loadu_ps(k + i));
+            _mm256_storeu_ps(vc + i, _mm256_loadu_ps(v + i));
+        }
+    }
+}

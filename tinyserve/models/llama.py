@@ -57,6 +57,9 @@ class LlamaAttention(nn.Module):
             tp,
         )
         self.o_proj = RowParallelLinear(config.q_size, hidden, False, dtype, tp)
+        # RoPE + cache write in one kernel (kernels/ops.c), with the block-table attention;
+        # set once by the loader.
+        self.use_kernel = False
 
     def forward(
         self,
@@ -65,14 +68,22 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        k_cache, v_cache = kv_cache
+        if self.use_kernel:
+            from tinyserve.kernels import ops
+
+            ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
+                               self.num_heads, self.num_kv_heads)  # fmt: skip
+            q = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            o = paged_attention(q[:, : self.num_heads], k_cache, v_cache, meta, self.scale)
+            return self.o_proj(o.reshape(-1, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotated together: one set of elementwise ops instead of two.
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
         q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
         k = qk[:, self.num_heads :]  # [num_tokens, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))

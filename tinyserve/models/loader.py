@@ -497,7 +497,7 @@ def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
     """The fused residual+RMSNorm and SiLU-and-mul kernels (kernels/ops.c) where they fit."""
     from tinyserve.kernels import ops
     from tinyserve.layers.norm import RMSNorm
-    from tinyserve.models.llama import LlamaMLP
+    from tinyserve.models.llama import LlamaAttention, LlamaMLP
 
     cfg = net.config
     on = use_kernels and ops.library() is not None
@@ -506,6 +506,8 @@ def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
             m.use_kernel = on and cfg.hidden_size % 8 == 0
         elif isinstance(m, LlamaMLP):
             m.use_kernel = on and (cfg.intermediate_size // net.tp.size) % 8 == 0
+        elif isinstance(m, LlamaAttention):
+            m.use_kernel = on and net.attention_backend == "kernel" and cfg.head_dim % 16 == 0
 
 
 def _with_progress(tensors, config: ModelConfig):

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import make_workload  # noqa: E402
+from machine import machine_info  # noqa: E402
 
 
 def main() -> int:
@@ -93,6 +94,7 @@ def main() -> int:
             row = {"mode": f"static batch {b}", "tok_s": statistics.median(rates), "all": rates}
             results["rows"].append(row)
             print(f"static batch {b}: {row['tok_s']:.1f} useful output tok/s")
+    results["machine"] = machine_info()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
+
 os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
 
 from tinyserve.config import CacheConfig, SchedulerConfig  # noqa: E402
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if "prefix" in tables:
         results["prefix"] = table_prefix(args.num_prompts, args.seed)
         _print("prefix caching", results["prefix"])
+    results["machine"] = machine_info()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"\nwrote {args.out}")

@@ -7,6 +7,16 @@ benchmark definitions:
   ITL   gaps between consecutive content chunks
   TPOT  (e2e - TTFT) / (output_tokens - 1), output tokens from the usage chunk
   e2e   time from sending to the end of the stream
+Token counts come from the ``usage`` object (tinyserve, vLLM and llama-server send it in a
+final chunk with empty choices; one attached to a chunk with choices is read too). A stream
+without usage falls back to counting content chunks (a lower bound: one token per chunk),
+and the summary's ``token_count_source`` says which.
+
+Prompts are salted per run: a random nonce line (``--salt``) starts the first message of
+every request, so a prefix cache that outlives a run (vLLM's, llama-server's slots and
+``--cache-ram`` prompt cache, tinyserve's) cannot turn the next run into cache hits. The
+salt is drawn once per run, so ``shared_prefix`` requests still share their prefix within
+the run. ``--salt none`` turns it off (deterministic prompts).
 
 Examples:
   python benchmarks/bench_serving.py --workload mixed --num-requests 64 --concurrency 8
@@ -19,6 +29,7 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -26,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
 
 _WORDS = (
     "the quick brown fox jumps over lazy dog river mountain city light shadow music paper "
@@ -80,6 +94,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
+    usage: bool = False  # token counts came from a usage object, not from counting chunks
     error: str = ""
 
 
@@ -87,13 +103,23 @@ def _filler(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n_words))
 
 
-def make_workload(name: str, num_requests: int, seed: int) -> list[BenchRequest]:
-    """Deterministic request sets: the same (name, n, seed) always gives the same requests."""
+def new_salt() -> str:
+    """A fresh per-run nonce for make_workload's ``salt``."""
+    return secrets.token_hex(4)
+
+
+def make_workload(name: str, num_requests: int, seed: int, salt: str = "") -> list[BenchRequest]:
+    """Deterministic request sets: the same (name, n, seed, salt) always gives the same requests.
+
+    A non-empty ``salt`` becomes a first line ``Run <salt>.`` of the first message of every
+    request (the system message for shared_prefix, so the prefix stays shared within a run).
+    """
     rng = random.Random(seed)
+    head = f"Run {salt}.\n" if salt else ""
     reqs: list[BenchRequest] = []
     if name == "mixed":
         for _ in range(num_requests):
-            text = rng.choice(_ASKS).format(t=rng.choice(_TOPICS))
+            text = head + rng.choice(_ASKS).format(t=rng.choice(_TOPICS))
             r = rng.random()  # high-variance output lengths in 16..256
             if r < 0.5:
                 mt = rng.randint(16, 32)
@@ -103,8 +129,10 @@ def make_workload(name: str, num_requests: int, seed: int) -> list[BenchRequest]
                 mt = rng.randint(192, 256)
             reqs.append(BenchRequest([{"role": "user", "content": text}], text, mt))
     elif name == "shared_prefix":
-        system = "You are a careful assistant. Background notes: " + _filler(
-            random.Random(1234), 330
+        system = (
+            head
+            + "You are a careful assistant. Background notes: "
+            + _filler(random.Random(1234), 330)
         )
         for _ in range(num_requests):
             q = rng.choice(_ASKS).format(t=rng.choice(_TOPICS))
@@ -112,7 +140,7 @@ def make_workload(name: str, num_requests: int, seed: int) -> list[BenchRequest]
             reqs.append(BenchRequest(msgs, system + "\n" + q, 32))
     elif name == "long_prompt":
         for _ in range(num_requests):
-            text = "Summarize these notes: " + _filler(rng, 1250)
+            text = head + "Summarize these notes: " + _filler(rng, 1250)
             reqs.append(BenchRequest([{"role": "user", "content": text}], text, 32))
     else:
         raise ValueError(f"unknown workload {name!r}: use mixed, shared_prefix or long_prompt")
@@ -137,6 +165,7 @@ async def _one(client: httpx.AsyncClient, args, model: str, req: BenchRequest) -
     res = RequestResult(ok=False)
     start = time.perf_counter()
     last = None
+    content_chunks = 0
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -149,16 +178,21 @@ async def _one(client: httpx.AsyncClient, args, model: str, req: BenchRequest) -
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if chunk.get("usage") and not chunk.get("choices"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                    continue
+                usage = chunk.get("usage")
+                if usage:  # usually a final chunk of its own, with empty choices
+                    res.prompt_tokens = usage.get("prompt_tokens") or 0
+                    res.output_tokens = usage.get("completion_tokens") or 0
+                    res.usage = True
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        res.cached_tokens = details["cached_tokens"]
                 choices = chunk.get("choices") or []
                 has_content = any(
                     (c.get("delta") or {}).get("content") or c.get("text") for c in choices
                 )
                 if not has_content:
                     continue
+                content_chunks += 1
                 now = time.perf_counter()
                 if last is None:
                     res.ttft = now - start
@@ -166,9 +200,11 @@ async def _one(client: httpx.AsyncClient, args, model: str, req: BenchRequest) -
                     res.itl.append(now - last)
                 last = now
         res.e2e = time.perf_counter() - start
+        if not res.usage:  # no usage object: one token per content chunk (a lower bound)
+            res.output_tokens = content_chunks
         res.ok = res.output_tokens > 0
         if not res.ok:
-            res.error = "no usage chunk / no output"
+            res.error = "no output"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
@@ -182,8 +218,15 @@ def _stats(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(s), "median": statistics.median(s), "p99": p99}
 
 
+def _salt_arg(value: str | None) -> str:
+    if value is None:
+        return new_salt()
+    return "" if value.lower() in ("", "none", "off") else value
+
+
 async def run_benchmark(args) -> dict:
-    reqs = make_workload(args.workload, args.num_requests, args.seed)
+    salt = _salt_arg(getattr(args, "salt", None))
+    reqs = make_workload(args.workload, args.num_requests, args.seed, salt)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(64, args.concurrency or 64))
     async with httpx.AsyncClient(
@@ -227,6 +270,9 @@ async def run_benchmark(args) -> dict:
     out_tokens = sum(r.output_tokens for r in good)
     prompt_tokens = sum(r.prompt_tokens for r in good)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    with_usage = sum(r.usage for r in good)
+    cached = [r.cached_tokens for r in good if r.cached_tokens is not None]
+    source = "usage" if with_usage == len(good) else "content_chunks" if not with_usage else "mixed"
     summary = {
         "base_url": args.base_url,
         "model": model,
@@ -236,6 +282,8 @@ async def run_benchmark(args) -> dict:
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
         "label": args.label,
+        "seed": args.seed,
+        "salt": salt,
         "duration_s": duration,
         "completed": len(good),
         "failed": len(results) - len(good),
@@ -245,11 +293,15 @@ async def run_benchmark(args) -> dict:
         "total_tok_s": (out_tokens + prompt_tokens) / duration,
         "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens,
+        "token_count_source": source,
+        # prompt tokens the server says it served from its prefix cache (None: not reported)
+        "cached_prompt_tokens": sum(cached) if cached else None,
         "ttft_s": _stats([r.ttft for r in good]),
         "tpot_s": _stats(tpots),
         "itl_s": _stats([x for r in good for x in r.itl]),
         "e2e_s": _stats([r.e2e for r in good]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": machine_info(),
     }
     return summary
 
@@ -262,7 +314,10 @@ def print_summary(s: dict) -> None:
     )
     print(
         f"completed {s['completed']}/{s['num_requests']} in {s['duration_s']:.1f}s, failed {s['failed']}"
+        f" (salt {s['salt'] or 'none'}, tokens from {s['token_count_source']})"
     )
+    for e in s["errors"]:
+        print(f"  error: {e}")
     print(
         f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_tok_s']:.1f} tok/s, "
         f"total {s['total_tok_s']:.1f} tok/s"
@@ -287,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--concurrency", type=int, default=None)
     g.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, req/s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--salt",
+        default=None,
+        help="per-run prompt nonce (default: a fresh random one per run; 'none' disables)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None, help="write the JSON summary here")

@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Decode-step anatomy by batch size, side by side with the matmul floor, in one run, for
-the engine with the GGUF block kernel (the default for a Q4_1 GGUF on CPU) and without it
-(fp32 torch GEMM for every matmul).
+the engine with the CPU kernels (the default: the GGUF's blocks, block-table attention,
+fused elementwise ops) and without them (--no-cpu-kernels: torch's fp32 GEMM and SDPA).
 
 matmul floor   the bare fp32 matrix products of one decode step (every layer's qkv, o,
                gate_up, down, plus the LM head) on random activations: what a pure-PyTorch
                fp32 engine cannot go below
-kernel floor   the same products through tinyserve.layers.linear (the block kernel up to
-               QUANT_MAX_ROWS rows)
+bf16 floor     the same in bf16 (what torch's bf16 GEMM costs on this CPU)
+kernel floor   the same products through the model's linear layers (the CPU kernel on the
+               packed weights: the GGUF's blocks)
 step           one LLMEngine.step() in steady decode
 model          the model's forward + LM head (logits of the sampled rows)
 sampler        the batched sampler
@@ -27,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
+
 os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
 
 import torch  # noqa: E402
@@ -37,53 +41,44 @@ from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
 from tinyserve.sampling_params import SamplingParams  # noqa: E402
 
 
-def matmul_floor_ms(model, batch: int, iters: int) -> float:
-    dtype = model.dtype
-    cfg = model.config
-    weights = []
-    for layer in model.model.layers:
-        weights += [
-            layer.self_attn.qkv_proj.weight,
-            layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight,
-            layer.mlp.down_proj.weight,
-        ]
-    weights.append(model.lm_head_module.weight)
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-    del cfg
-    times = []
+def _median_ms(run, iters: int) -> float:
     with torch.inference_mode():
         for _ in range(3):
-            for w in weights:
-                F.linear(xs[w.shape[1]], w)
+            run()
+        times = []
         for _ in range(iters):
             t = time.perf_counter()
-            for w in weights:
-                F.linear(xs[w.shape[1]], w)
+            run()
             times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
+
+
+def matmul_floor_ms(model, batch: int, iters: int, dtype: torch.dtype) -> float:
+    """The bare torch matrix products of one step in ``dtype`` (activations in the same
+    dtype), on random weights of the model's shapes: what a pure-PyTorch engine cannot
+    go below."""
+    shapes = [tuple(layer.weight.shape) for layer in model.linear_layers().values()]
+    weights = [torch.randn(*shape).to(dtype) * 0.02 for shape in shapes]
+    xs = {k: torch.randn(batch, k).to(dtype) for _, k in shapes}
+
+    def run():
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    return _median_ms(run, iters)
 
 
 def kernel_floor_ms(model, batch: int, iters: int) -> float:
-    from tinyserve.layers.linear import linear
+    """The same products through the model's own linear layers and their methods (the CPU
+    kernel on the packed weights, in the default configuration)."""
+    layers = list(model.linear_layers().values())
+    xs = {m.weight.shape[1]: torch.randn(batch, m.weight.shape[1]) for m in layers}
 
-    modules = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        modules += [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-    modules.append(model.lm_head_module)
-    xs = {mod.weight.shape[1]: torch.randn(batch, mod.weight.shape[1]) for mod in modules}
-    times = []
-    with torch.inference_mode():
-        for _ in range(3):
-            for mod in modules:
-                linear(xs[mod.weight.shape[1]], mod)
-        for _ in range(iters):
-            t = time.perf_counter()
-            for mod in modules:
-                linear(xs[mod.weight.shape[1]], mod)
-            times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    def run():
+        for m in layers:
+            m.method.apply(m, xs[m.weight.shape[1]])
+
+    return _median_ms(run, iters)
 
 
 def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 kv_cache_memory="512MiB",
                 max_num_seqs=64,
-                gguf_kernels=kernel,
+                cpu_kernels=kernel,
             )
         )
         for kernel in (True, False)
@@ -171,23 +166,25 @@ def main(argv: list[str] | None = None) -> int:
     engine = engines[True]
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        floor = matmul_floor_ms(engine.model, b, args.steps)
+        floor = matmul_floor_ms(engine.model, b, args.steps, torch.float32)
+        bf16_floor = matmul_floor_ms(engine.model, b, max(3, args.steps // 5), torch.bfloat16)
         kfloor = kernel_floor_ms(engine.model, b, args.steps)
         for kernel, eng in engines.items():
             row = step_anatomy(eng, b, args.steps)
-            row["gguf_kernel"] = kernel
+            row["cpu_kernels"] = kernel
+            row["dtype"] = str(eng.dtype)
             row["matmul_floor_ms"] = floor
+            row["bf16_matmul_floor_ms"] = bf16_floor
             row["kernel_floor_ms"] = kfloor
             row["floor_tok_s"] = b / (floor / 1000)
             row["fraction_of_floor"] = floor / row["step_ms"]
             rows.append(row)
             print(
-                f"batch {b:>3} {'kernel' if kernel else 'fp32  '}: step {row['step_ms']:.1f} ms "
+                f"batch {b:>3} {'kernels' if kernel else 'torch  '}: step {row['step_ms']:.1f} ms "
                 f"({row['tok_s']:.1f} tok/s), model {row['model_ms']:.1f} ms, sampler "
                 f"{row['sampler_ms']:.1f} ms, engine overhead {row['overhead_ms']:.1f} ms "
-                f"({100 * row['overhead_share']:.0f}%); fp32 matmul floor {floor:.1f} ms "
-                f"({row['floor_tok_s']:.0f} tok/s, {100 * row['fraction_of_floor']:.0f}% of it); "
-                f"kernel floor {kfloor:.1f} ms",
+                f"({100 * row['overhead_share']:.0f}%); floors: fp32 {floor:.1f} ms, bf16 "
+                f"{bf16_floor:.1f} ms, kernel {kfloor:.1f} ms",
                 flush=True,
             )
     result = {
@@ -195,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(engine.dtype),
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
+        "machine": machine_info(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

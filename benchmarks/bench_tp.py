@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "dtype": "float32",
         "all_reduce_bytes_per_token": 2 * layers * hidden * 4,
+        "machine": machine_info(),
         "models": [],
     }
     for name, path, tp in configs:

@@ -19,12 +19,16 @@ import argparse
 import json
 import shutil
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_REQUEST_BYTES = 1 << 20  # the fuzz server's --max-request-bytes
@@ -495,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "after": idle,
         "server_exit_code": code,
         "traceback_in_server_log": "Traceback" in server.log(),
+        "machine": machine_info(),
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

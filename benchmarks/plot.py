@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
 
 
 def _plt():
@@ -25,8 +29,12 @@ def _plt():
 
 
 def plot_peers(data: dict, out: Path) -> list[Path]:
+    """Charts for one workload: 'mixed' if the file has it, else its first."""
     plt = _plt()
-    runs = data["runs"]  # list of bench_serving summaries with "label" and "concurrency"
+    workloads = data.get("workloads") or list(dict.fromkeys(r["workload"] for r in data["runs"]))
+    workload = "mixed" if "mixed" in workloads else workloads[0]
+    # bench_serving summaries with "label", "workload" and "concurrency"
+    runs = [r for r in data["runs"] if r["workload"] == workload]
     labels = sorted({r["label"] for r in runs})
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -38,7 +46,7 @@ def plot_peers(data: dict, out: Path) -> list[Path]:
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("output tokens / s (median of runs)")
     ax.set_xscale("log", base=2)
-    ax.set_title(f"{data.get('workload', 'mixed')} workload, {data.get('machine', '')}")
+    ax.set_title(f"{workload} workload, {describe(data.get('machine'))}", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -19,6 +19,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "reliability.md"
@@ -67,7 +70,8 @@ def run_fault_tests() -> dict:
                           "seconds": float(case.get("time", 0))})  # fmt: skip
         xml.unlink()
     code = max(codes)
-    result = {"exit_code": code, "wall_s": round(time.monotonic() - t0, 1), "tests": tests}
+    result = {"exit_code": code, "wall_s": round(time.monotonic() - t0, 1), "tests": tests,
+              "machine": machine_info()}  # fmt: skip
     (RESULTS / "reliability_tests.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 

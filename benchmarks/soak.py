@@ -35,6 +35,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 _SUBJECTS = [
@@ -492,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ["--model", args.model] if args.model else []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     logs = Path(args.out).parent
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_info()}  # fmt: skip
 
     if args.base_url:
         soak = run_soak(args.base_url, cfg, args.server_pid, progress=True)

@@ -250,3 +250,29 @@ def test_int8_quantization_of_a_float_checkpoint_stays_within_its_bound(tmp_path
     assert 0 < rel < 0.05, rel
     with pytest.raises(ValueError, match="quantization"):
         load_model(path, torch.float32, "cpu", quantization="int4")
+
+
+def _kernel_threads_in_subprocess(env: dict, prefix: list[str] = ()) -> int:
+    import os
+    import subprocess
+    import sys
+
+    code = "from tinyserve.kernels.build import kernel_threads; print(kernel_threads())"
+    out = subprocess.run([*prefix, sys.executable, "-c", code], env={**os.environ, **env},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return int(out.stdout)
+
+
+def test_kernel_threads_follow_the_usable_cpus_not_mkl_or_cpu_count():
+    """``serve`` sets MKL_NUM_THREADS=1, which also makes torch report one thread: the kernels
+    must still use every usable CPU (they ran single-threaded in the server: TPOT 60 ms
+    against a 34 ms offline step). And a process pinned to one CPU gets one thread."""
+    import os
+    import shutil
+
+    from tinyserve.utils.cpu import usable_cpus
+
+    env = {"MKL_NUM_THREADS": "1", "TINYSERVE_KERNEL_THREADS": ""}
+    assert _kernel_threads_in_subprocess(env) == usable_cpus() == len(os.sched_getaffinity(0))
+    if shutil.which("taskset") and usable_cpus() > 1:
+        assert _kernel_threads_in_subprocess(env, ["taskset", "-c", "0"]) == 1

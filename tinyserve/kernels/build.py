@@ -19,8 +19,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 from tinyserve.utils.cache import cache_dir
 from tinyserve.utils.cpu import cpu_flags
 
@@ -87,16 +85,25 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+_threads: int | None = None  # set_kernel_threads(); None: every usable CPU
+
+
+def set_kernel_threads(n: int | None) -> None:
+    """Cap the kernels' threads (tensor parallel gives each rank its share of the cores)."""
+    global _threads
+    _threads = n
+
+
 def kernel_threads() -> int:
-    """Threads for the kernels: $TINYSERVE_KERNEL_THREADS, else torch's intra-op thread count
-    (which tensor parallel lowers per rank), capped by the CPUs this process may use.
-    Called once per kernel launch, so everything but torch's count is read once."""
-    return _threads_override() or min(_usable(), torch.get_num_threads())
+    """Threads for the kernels: $TINYSERVE_KERNEL_THREADS, else what set_kernel_threads()
+    fixed, else one per CPU this process may use. Not torch.get_num_threads(): ``serve``
+    sets MKL_NUM_THREADS=1, which also makes torch report a single thread."""
+    return _threads_override() or _threads or _usable()
 
 
 @functools.cache
 def _threads_override() -> int:
-    return int(os.environ.get("TINYSERVE_KERNEL_THREADS", 0))
+    return int(os.environ.get("TINYSERVE_KERNEL_THREADS") or 0)
 
 
 @functools.cache

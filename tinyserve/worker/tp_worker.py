@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyserve.distributed.parallel_state import TPGroup, cpu_threads_per_rank, init_tp_group
+from tinyserve.kernels.build import set_kernel_threads
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPDriver:
     threads = cpu_threads_per_rank(size) if device.type == "cpu" else None
     if threads:
         torch.set_num_threads(threads)
+        set_kernel_threads(threads)
     if env is not None:
         rank, world = env
         if world != size:
@@ -138,6 +140,7 @@ def worker_main(
         logging.basicConfig(level=logging.WARNING)
     if threads:
         torch.set_num_threads(threads)
+        set_kernel_threads(threads)
     base = resolve_device(spec.device)
     device = rank_device(base, rank)
     dtype = resolve_engine_dtype(spec.dtype, base, spec.model, spec.cpu_kernels, spec.quantization)

@@ -239,3 +239,19 @@ def test_decode_window_stays_small(smollm2_tokenizer, prompt_ids):
     assert det.output_text == smollm2_tokenizer.decode(out)
     assert len(out) > 200
     assert tok.max_decode_len <= 10  # an emoji's bytes plus one token of context
+
+
+def test_stop_strings_wait_for_min_tokens(smollm2_tokenizer, prompt_ids):
+    """A stop string inside the first min_tokens output tokens does not end the request (as
+    EOS and stop ids do not in the scheduler); one completed after them does."""
+    tok = smollm2_tokenizer
+    out = tok.encode("stop here, then go on and stop again.")
+    first = tok.decode(out[:3])
+    assert "stop" in first  # the first stop string lies inside the first 3 tokens
+    det, _, stop = run(tok, prompt_ids, out, SamplingParams(stop=["stop"], min_tokens=3))
+    assert stop == "stop"
+    assert det.output_text == "stop here, then go on and "
+    det, _, stop = run(tok, prompt_ids, out, SamplingParams(stop=["stop"]))
+    assert stop == "stop" and det.output_text == ""
+    det, _, stop = run(tok, prompt_ids, out, SamplingParams(stop=["stop"], min_tokens=len(out)))
+    assert stop is None and det.output_text == tok.decode(out)

@@ -125,3 +125,28 @@ def test_llm_generate_rejects_a_bad_prompt_without_leaving_requests(tiny_qwen2_p
     [out] = llm.generate([good], greedy(4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
     assert_no_leaks(llm.engine)
+
+
+def test_n_children_near_the_seed_limit_are_all_added_and_reproducible(small_engine):
+    """seed = 2**63 - 1 with n=3: seed + i used to overflow SamplingParams' int64 range while
+    the children were being added, leaving child 0 orphaned (holding KV blocks) and the client
+    with a 500. Children's seeds now wrap within int64; the request runs whole."""
+    prompt = random_prompt(6, seed=41)
+    params = SamplingParams(n=3, seed=2**63 - 1, temperature=1.0, max_tokens=4)
+    first = run_batch(small_engine, [("edge", prompt, params)])
+    assert sorted(first.choices["edge"]) == [0, 1, 2]
+    again = run_batch(small_engine, [("edge", prompt, params)])
+    assert [again.choices["edge"][i].token_ids for i in range(3)] == [
+        first.choices["edge"][i].token_ids for i in range(3)
+    ]
+    assert_no_leaks(small_engine)
+
+
+def test_a_colliding_child_id_rejects_the_whole_request(small_engine):
+    prompt = random_prompt(5, seed=42)
+    small_engine.add_request("dup#1", prompt, SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="dup#1"):
+        small_engine.add_request("dup", prompt, SamplingParams(n=2, max_tokens=3))
+    assert set(small_engine.scheduler.requests) == {"dup#1"}  # no orphaned "dup#0"
+    run_batch(small_engine, [])
+    assert_no_leaks(small_engine)

@@ -20,6 +20,7 @@ def admit(kv: KVCacheManager, request: Request) -> list[int]:
     request.num_computed_tokens = num_hit_tokens
     table = kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     assert table is not None
+    kv.record_prefix_lookup(request, len(hits))
     request.num_computed_tokens = request.num_tokens
     return table
 
@@ -180,7 +181,10 @@ def test_hits_never_cover_the_last_token():
 def test_counters_in_tokens_and_blocks():
     kv = KVCacheManager(num_blocks=8, block_size=2)
     admit(kv, make_request("a", [1, 2, 3, 4, 5]))  # 5 tokens looked up, 2 full blocks, 0 hits
-    kv.get_computed_blocks(make_request("b", [1, 2, 3, 4, 6, 7, 8]))  # 7 tokens, 3 blocks, 2 hit
+    b = make_request("b", [1, 2, 3, 4, 6, 7, 8])  # 7 tokens, 3 blocks, 2 hit
+    kv.get_computed_blocks(b)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (5, 0)  # a lookup alone: nothing
+    admit(kv, b)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12, 4)
     assert (kv.prefix_cache_block_queries, kv.prefix_cache_block_hits) == (5, 2)
 

@@ -365,3 +365,24 @@ def test_no_torch_import():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_prefix_cache_lookups_count_once_per_admission_not_per_attempt():
+    """A request blocked at the head of the queue (no free blocks) is looked up every step;
+    it used to be counted as a query (and its hits as hits) every time."""
+    sched = make_scheduler(num_blocks=6, block_size=4, max_model_len=64)
+    kv = sched.kv_cache_manager
+    shared = [next(_fresh_tokens) for _ in range(8)]
+    sched.add_request(make_request("a", shared + [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=2))
+    step(sched)  # a: 17 tokens -> 5 of the 6 blocks
+    sched.add_request(make_request("b", shared + [9, 9, 9, 9, 9], max_tokens=2))
+    before = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+    for _ in range(3):  # b (2 cached blocks + 2 new) does not fit while a runs
+        out, _ = step(sched)
+        if "b" in shares(out):
+            break
+        assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == before
+    while "b" not in shares(out):
+        out, _ = step(sched)
+    assert kv.prefix_cache_queries - before[0] == 13  # b's tokens, once
+    assert kv.prefix_cache_hits - before[1] == 8  # its two shared blocks, once

@@ -111,7 +111,9 @@ class KVCacheManager:
 
         Returns (block ids, number of tokens they hold). Never covers the last token, so the
         request always computes at least one token and has logits to sample from. Takes no
-        references: pass the blocks to ``allocate_slots`` in the same step.
+        references: pass the blocks to ``allocate_slots`` in the same step. Counts nothing:
+        the scheduler calls ``record_prefix_lookup`` once the request is admitted, so a
+        request that waits at the head of the queue for several steps is counted once.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -132,12 +134,18 @@ class KVCacheManager:
                 break  # hash collision: a miss
             hits.append(block_id)
             parent_hash, parent_content_id = block_hash, block.content_id
-        num_hit_tokens = len(hits) * bs
-        self.prefix_cache_queries += len(tokens)
-        self.prefix_cache_hits += num_hit_tokens
-        self.prefix_cache_block_queries += max_blocks
-        self.prefix_cache_block_hits += len(hits)
-        return hits, num_hit_tokens
+        return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        """Count one admitted request's prefix-cache lookup (vLLM's queries / hits, in tokens,
+        and the same in blocks)."""
+        if not self.enable_prefix_caching:
+            return
+        num_tokens = len(request.all_token_ids)
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_blocks * self.block_size
+        self.prefix_cache_block_queries += (num_tokens - 1) // self.block_size
+        self.prefix_cache_block_hits += num_hit_blocks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash. Blocks in use stay with their requests; those requests

@@ -38,6 +38,14 @@ class EngineStats:
     generation_tokens_total: int
 
 
+def _child_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index`` of an n>1 request draws from seed + index, wrapped into int64 (a seed
+    near 2**63 - 1 is valid input; its children's seeds must be too)."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 def worker_spec(args: EngineArgs, dtype=None):
     """What a tensor-parallel worker rank needs from the engine's arguments."""
     from tinyserve.worker.tp_worker import WorkerSpec
@@ -239,11 +247,15 @@ class LLMEngine:
             self.validate_request(prompt_token_ids, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [rid for rid in ids if rid in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in the engine")
+        # Build every child first, add them after: a request is added whole or not at all.
+        children = []
         for i, rid in enumerate(ids):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                child_params = dataclasses.replace(params, n=1, seed=_child_seed(params.seed, i))
             req = Request(
                 request_id=rid,
                 prompt_token_ids=list(prompt_token_ids),
@@ -254,10 +266,13 @@ class LLMEngine:
                 parent_id=request_id,
                 index=i,
             )
+            detok = None
             if self.tokenizer is not None:
-                self._detokenizers[rid] = IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids, child_params
-                )
+                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
+            children.append((req, detok))
+        for req, detok in children:
+            if detok is not None:
+                self._detokenizers[req.request_id] = detok
             self.scheduler.add_request(req)
         self._children[request_id] = ids
 

@@ -188,6 +188,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            kv.record_prefix_lookup(request, len(computed_blocks))
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "tp.json"))
     args = p.parse_args(argv)
 
-    from tinyserve.models.default_model import cache_dir, ensure_default_model
+    from tinyserve.models.default_model import ensure_default_model
+    from tinyserve.utils.cache import cache_dir
 
     smol = str(ensure_default_model(progress=False))
     shaped = str(build_shaped_model(cache_dir() / "models" / "bench-smollm2-shape-8-heads"))

@@ -460,7 +460,8 @@ def fuzz_failures(r: dict) -> list[str]:
 
 
 def fuzz_model_dir() -> Path:
-    from tinyserve.models.default_model import cache_dir, ensure_default_model, tokenizer_dir_for
+    from tinyserve.models.default_model import ensure_default_model, tokenizer_dir_for
+    from tinyserve.utils.cache import cache_dir
 
     tok = tokenizer_dir_for(ensure_default_model(progress=False))
     return build_fuzz_model(cache_dir() / "models" / "fuzz-tiny-llama-smollm2-vocab", tok)

@@ -3,7 +3,8 @@
     from machine import machine_info      # benchmarks/ is on sys.path for these scripts
     result["machine"] = machine_info()
 
-CPU model and ISA flags come from /proc/cpuinfo (Linux; elsewhere they stay empty). The torch
+CPU model, ISA flags and usable cores come from tinyserve.utils.cpu (the same facts the
+kernels and the dtype calibration use; /proc/cpuinfo on Linux). The torch
 version is read from the installed package's metadata, so a client-only script such as
 bench_serving.py does not pay for importing torch.
 """
@@ -14,7 +15,8 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
+
+from tinyserve.utils.cpu import cpu_flags, cpu_model_name, usable_cpus  # torch-free
 
 # The ISA extensions that decide which kernels a CPU inference stack can use.
 ISA_FLAGS = (
@@ -32,24 +34,6 @@ ISA_FLAGS = (
 )
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = "", set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), flags
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-        if model and flags:
-            break
-    return model or platform.machine(), flags
-
-
 def _torch_version() -> str | None:
     if "torch" in sys.modules:
         return getattr(sys.modules["torch"], "__version__", None)
@@ -63,13 +47,10 @@ def _torch_version() -> str | None:
 
 def machine_info() -> dict:
     """CPU model, which ISA_FLAGS it has, core counts, torch version, date (UTC)."""
-    model, flags = _cpuinfo()
+    model, flags = cpu_model_name(), cpu_flags()
     present = [f for f in ISA_FLAGS if f in flags]
     cores = os.cpu_count()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = cores
+    usable = usable_cpus()
     torch_version = _torch_version()
     summary = f"{usable} cores, {model}, {' '.join(present) or 'no listed ISA flags'}"
     if torch_version:

@@ -250,6 +250,8 @@ def test_int8_quantization_of_a_float_checkpoint_stays_within_its_bound(tmp_path
     assert 0 < rel < 0.05, rel
     with pytest.raises(ValueError, match="quantization"):
         load_model(path, torch.float32, "cpu", quantization="int4")
+    with pytest.raises(ValueError, match="quantization: int8 runs through the CPU kernels"):
+        load_model(path, torch.float32, "cpu", cpu_kernels=False, quantization="int8")
 
 
 def _kernel_threads_in_subprocess(env: dict, prefix: list[str] = ()) -> int:

@@ -41,7 +41,7 @@ static float *get_scratch(int64_t n) {
 }
 
 // Returns 0, or -1 when scratch memory could not be had.
-static int attend(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+static int attend(const float *q, const float *k_cache, const float *v_cache,
                   int block_size, int H, int KVH, int D, const int32_t *table, int64_t pos,
                   int64_t g, float scale, float *out) {
     const int G = H / KVH;
@@ -111,7 +111,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
         const int64_t t = it / KVH, g = it % KVH, s = seq_of_token[t];
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         const int64_t pos = seq_lens[s] - q_len + (t - query_start_loc[s]);
-        failed |= attend(q + t * q_stride, q_stride, k_cache, v_cache, block_size, H, KVH, D,
+        failed |= attend(q + t * q_stride, k_cache, v_cache, block_size, H, KVH, D,
                          block_tables + s * max_blocks, pos, g, scale, out + t * H * D);
     }
     return failed ? -1 : 0;

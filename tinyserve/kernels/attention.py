@@ -28,23 +28,19 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel can serve these head shapes (float32 CPU caches assumed: the
+    loader only asks when the model runs in fp32 on the CPU)."""
     return (
         library() is not None
-        and q.device.type == "cpu"
-        and q.dtype == k_cache.dtype == torch.float32
         and head_dim % 8 == 0
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= 16
-        and q.stride(2) == 1
-        and q.stride(1) == head_dim
     )
 
 
 def paged_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous within a token
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: any token stride, heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     query_start_loc: torch.Tensor,  # int64 [num_seqs + 1]

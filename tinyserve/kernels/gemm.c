@@ -140,6 +140,10 @@ static void rows_kind(const weight_t *w, const float *x, int64_t ldx, int M, flo
     // float buffer (the same floats weights8 gives) and the float tile runs over it, so the
     // dequantisation is shared by the panel's rows instead of by one register tile.
     float *buf = w->kind == 2 ? NULL : (float *)aligned_alloc(32, NT_MANY * w->K * sizeof(float));
+    if (w->kind != 2 && buf == NULL) {  // no buffer: one row at a time (same arithmetic)
+        for (int r = 0; r < M; r++) tiles_few(w, x + (int64_t)r * ldx, ldx, 1, y + (int64_t)r * ldy, ldy, n0, n1);
+        return;
+    }
     weight_t wb = {2, buf, NULL, NULL, w->K};
     for (int p0 = 0; p0 < M; p0 += PANEL) {
         const int pm = M - p0 < PANEL ? M - p0 : PANEL;

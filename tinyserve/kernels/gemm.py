@@ -70,9 +70,6 @@ class PackedWeight:
             self.kind, pick(self.qs), pick(self.d), pick(self.m), (len(index), self.shape[1])
         )
 
-    def narrow_rows(self, start: int, length: int) -> PackedWeight:
-        return self.take_rows(torch.arange(start, start + length))
-
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the tests compare against)."""
         n, k = self.shape
@@ -136,6 +133,10 @@ def quantize_int8(w: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(Q8_0, qs, d, None, (n, k))
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def matmul(x: torch.Tensor, w: PackedWeight, num_threads: int | None = None) -> torch.Tensor:
     """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32."""
     lib = library()
@@ -148,10 +149,6 @@ def matmul(x: torch.Tensor, w: PackedWeight, num_threads: int | None = None) -> 
     y = torch.empty(m_rows, n, dtype=torch.float32)
     if m_rows == 0:
         return y
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-
-    lib.gemm(_KIND_IDS[w.kind], ptr(w.qs), ptr(w.d), ptr(w.m), x.data_ptr(), k, y.data_ptr(),
+    lib.gemm(_KIND_IDS[w.kind], _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k, y.data_ptr(),
              n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
     return y

@@ -23,18 +23,6 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def fits(x: torch.Tensor) -> bool:
-    """Whether the kernels can take ``x`` (float32 CPU, rows contiguous, width % 8)."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.dim() == 2
-        and x.shape[-1] % 8 == 0
-        and x.is_contiguous()
-        and library() is not None
-    )
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels.attention import paged_attention as kernel_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -203,8 +205,6 @@ def paged_attention(
     """Production path: the block-table kernel, or one SDPA call per group; no loop over
     sequences either way. The step's K/V must already be in the cache (write_kv_cache)."""
     if meta.kernel is not None:
-        from tinyserve.kernels.attention import paged_attention as kernel_attention
-
         m = meta.kernel
         return kernel_attention(q, k_cache, v_cache, m.query_start_loc, m.seq_lens,
                                 m.seq_of_token, m.block_tables, scale)  # fmt: skip

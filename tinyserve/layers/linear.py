@@ -71,6 +71,22 @@ def copy_weight(dest: torch.Tensor, src: torch.Tensor, sliced: bool = False) -> 
     dest.copy_(src)
 
 
+def check_quantization(quantization, cpu_kernels: bool, dtype, device) -> None:
+    """ValueError (naming the field) for a ``quantization`` that cannot be honoured: int8 runs
+    only through the CPU kernels, in float32 on the CPU."""
+    if quantization in (None, "none"):
+        return
+    if quantization != "int8":
+        raise ValueError(f"quantization {quantization!r} is not supported: use none or int8")
+    if not (cpu_kernels and dtype == torch.float32 and torch.device(device).type == "cpu"):
+        raise ValueError(
+            "quantization: int8 runs through the CPU kernels only (device cpu, dtype float32, "
+            "without --no-cpu-kernels)"
+        )
+    if not gemm.available():
+        raise ValueError("quantization: int8 needs the CPU kernels, which cannot be built here")
+
+
 def choose_linear_methods(
     layers: dict[str, nn.Module],
     packed: dict[str, PackedWeight],
@@ -80,9 +96,8 @@ def choose_linear_methods(
     """Fix every layer's method once. With ``use_kernels`` (CPU, float32, kernels built):
     the checkpoint's own blocks where ``packed`` has them, else int8 when asked, else the
     float32 weight — all through the one batch-invariant kernel. Without: torch's GEMM.
-    Returns how many layers got each method."""
-    if quantization not in (None, "none", "int8"):
-        raise ValueError(f"quantization {quantization!r} is not supported: use none or int8")
+    Returns how many layers got each method. ``quantization`` is checked by
+    check_quantization before the weights load."""
     counts: dict[str, int] = {}
     for name, layer in layers.items():
         method: LinearMethod = DenseMethod()
@@ -219,9 +234,6 @@ class VocabParallelEmbedding(nn.Module):
 
     weight_loader = LinearBase.weight_loader
     set_method = LinearBase.set_method
-
-    def shard_rows(self, shard):
-        return 0, self.weight.shape[0]
 
     def tp_slice(self, name, shard, loaded):
         return loaded

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.kernels import ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
@@ -21,8 +23,6 @@ class RMSNorm(nn.Module):
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``; the kernel
         path writes the sum into ``residual`` itself (the layer stack owns that tensor)."""
         if self.use_kernel:
-            from tinyserve.kernels import ops
-
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
             return ops.rms_norm(x, self.weight, self.eps, residual), residual

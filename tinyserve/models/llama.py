@@ -21,6 +21,7 @@ from torch import nn
 
 from tinyserve.config import ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
+from tinyserve.kernels import ops
 from tinyserve.layers.activation import silu_and_mul
 from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
 from tinyserve.layers.linear import (
@@ -71,8 +72,6 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
         if self.use_kernel:
-            from tinyserve.kernels import ops
-
             ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
                                self.num_heads, self.num_kv_heads)  # fmt: skip
             q = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -103,8 +102,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_kernel:
-            from tinyserve.kernels import ops
-
             return self.down_proj(ops.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul(gate_up))
 

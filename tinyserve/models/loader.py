@@ -443,8 +443,10 @@ def load_model(
     fix each linear layer's method (layers/linear.py: choose_linear_methods): on a CPU with
     the kernels and fp32, a GGUF's own Q4_1/Q8_0 blocks, int8 if ``quantization="int8"``, or
     the float32 weight through the same batch-invariant kernel. The tokenizer is separate."""
-    from tinyserve.layers.linear import choose_linear_methods
+    from tinyserve.kernels import attention as attention_kernel
+    from tinyserve.layers.linear import check_quantization, choose_linear_methods
 
+    check_quantization(quantization, cpu_kernels, dtype, device)
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = _GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, inv_freq = load_model_config(source, ckpt)
@@ -462,7 +464,8 @@ def load_model(
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
     counts = choose_linear_methods(net.linear_layers(), packed, use_kernels, quantization)
-    if use_kernels and _attention_kernel_fits(config, net.tp.size):
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    if use_kernels and attention_kernel.fits(*heads):
         net.attention_backend = "kernel"
     _use_fused_ops(net, use_kernels)
     logger.info(
@@ -484,13 +487,6 @@ def largest_matmul(model, quantization: str | None = None) -> tuple[str, int, in
         t = ckpt.tensors.get("blk.0.ffn_gate.weight")
         kind = {3: "q4_1", 8: "q8_0"}.get(getattr(t, "qtype", None), kind)
     return kind, 2 * config.intermediate_size, config.hidden_size
-
-
-def _attention_kernel_fits(config: ModelConfig, tp_size: int) -> bool:
-    from tinyserve.kernels import attention
-
-    group = config.num_attention_heads // config.num_key_value_heads
-    return attention.library() is not None and config.head_dim % 8 == 0 and group <= 16
 
 
 def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:

@@ -50,7 +50,8 @@ def _key(kind: str, n: int, k: int) -> str:
 
     import tinyserve.kernels as kernels
 
-    kernel_src = (Path(kernels.__file__).parent / "gemm.c").read_bytes()
+    folder = Path(kernels.__file__).parent
+    kernel_src = (folder / "gemm.c").read_bytes() + (folder / "simd.h").read_bytes()
     flags = " ".join(sorted(cpu_flags()))
     h = hashlib.sha256(kernel_src + flags.encode()).hexdigest()[:12]
     return f"{cpu_model_name()}|{torch.__version__}|{h}|{kind}|{n}x{k}"
@@ -90,9 +91,9 @@ def _measure(kind: str, n: int, k: int) -> dict[str, dict[int, float]]:
             packed = gemm.quantize_int8(base)
         else:
             packed = gemm.from_dense(base)
-        copies = [packed] + [
-            gemm.PackedWeight(packed.kind, packed.qs.clone(), packed.d, packed.m, packed.shape)
-            for _ in range(max(0, _LLC_BYTES // max(packed.nbytes, 1) - 1))
+        every_row = torch.arange(n)
+        copies = [packed] + [  # take_rows copies codes, scales and minima: all streamed
+            packed.take_rows(every_row) for _ in range(max(0, _LLC_BYTES // packed.nbytes - 1))
         ]
         timings["float32+kernels"] = _sweep(lambda x, w: gemm.matmul(x, w), copies, k)
     bf16 = base.to(torch.bfloat16)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 _DTYPES = {
@@ -33,15 +31,11 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (Linux); anything else computes bf16 slowly."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from tinyserve.utils.cpu import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -39,6 +39,12 @@ class WorkerSpec:
     quantization: str | None = None
 
 
+def _use_threads(n: int) -> None:
+    """This rank's share of the cores, for torch's pool and for the CPU kernels."""
+    torch.set_num_threads(n)
+    set_kernel_threads(n)
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank is gone: the group cannot run another step."""
 
@@ -98,8 +104,7 @@ def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPDriver:
     env = torchrun_rank()
     threads = cpu_threads_per_rank(size) if device.type == "cpu" else None
     if threads:
-        torch.set_num_threads(threads)
-        set_kernel_threads(threads)
+        _use_threads(threads)
     if env is not None:
         rank, world = env
         if world != size:
@@ -139,8 +144,7 @@ def worker_main(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING)
     if threads:
-        torch.set_num_threads(threads)
-        set_kernel_threads(threads)
+        _use_threads(threads)
     base = resolve_device(spec.device)
     device = rank_device(base, rank)
     dtype = resolve_engine_dtype(spec.dtype, base, spec.model, spec.cpu_kernels, spec.quantization)

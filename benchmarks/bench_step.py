@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Decode-step anatomy by batch size, side by side with the matmul floor, in one run, for
 the engine with the CPU kernels (the default: the GGUF's blocks, block-table attention,
-fused elementwise ops) and without them (--no-cpu-kernels: torch's fp32 GEMM and SDPA).
+fused elementwise ops), with them and --decode-activations int8 (decode rows' activations
+rounded to int8 for integer dot products), and without them (--no-cpu-kernels: torch's fp32
+GEMM and SDPA).
 
 matmul floor   the bare fp32 matrix products of one decode step (every layer's qkv, o,
                gate_up, down, plus the LM head) on random activations: what a pure-PyTorch
                fp32 engine cannot go below
 bf16 floor     the same in bf16 (what torch's bf16 GEMM costs on this CPU)
 kernel floor   the same products through the model's linear layers (the CPU kernel on the
-               packed weights: the GGUF's blocks)
+               packed weights: the GGUF's blocks); "int8-decode kernel" with int8 activations
 step           one LLMEngine.step() in steady decode
 model          the model's forward + LM head (logits of the sampled rows)
 sampler        the batched sampler
@@ -70,13 +72,13 @@ def matmul_floor_ms(model, batch: int, iters: int, dtype: torch.dtype) -> float:
 
 def kernel_floor_ms(model, batch: int, iters: int) -> float:
     """The same products through the model's own linear layers and their methods (the CPU
-    kernel on the packed weights, in the default configuration)."""
+    kernel on the packed weights), as decode rows (so --decode-activations int8 applies)."""
     layers = list(model.linear_layers().values())
     xs = {m.weight.shape[1]: torch.randn(batch, m.weight.shape[1]) for m in layers}
 
     def run():
         for m in layers:
-            m.method.apply(m, xs[m.weight.shape[1]])
+            m.method.apply(m, xs[m.weight.shape[1]], batch)
 
     return _median_ms(run, iters)
 
@@ -151,40 +153,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results/step.json")
     args = ap.parse_args(argv)
+    # path name -> engine flags: the default, the int8-activation opt-in, torch's GEMM + SDPA.
+    paths = {
+        "kernels": {},
+        "kernels+int8-decode": {"decode_activations": "int8"},
+        "torch": {"cpu_kernels": False},
+    }
     engines = {
-        kernel: LLMEngine(
+        name: LLMEngine(
             EngineArgs(
                 model=args.model,
                 dtype=args.dtype,
                 kv_cache_memory="512MiB",
                 max_num_seqs=64,
-                cpu_kernels=kernel,
+                **flags,
             )
-        )
-        for kernel in (True, False)
+        )  # fmt: skip
+        for name, flags in paths.items()
     }
-    engine = engines[True]
+    engine = engines["kernels"]
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         floor = matmul_floor_ms(engine.model, b, args.steps, torch.float32)
         bf16_floor = matmul_floor_ms(engine.model, b, max(3, args.steps // 5), torch.bfloat16)
         kfloor = kernel_floor_ms(engine.model, b, args.steps)
-        for kernel, eng in engines.items():
+        int8_floor = kernel_floor_ms(engines["kernels+int8-decode"].model, b, args.steps)
+        for name, eng in engines.items():
             row = step_anatomy(eng, b, args.steps)
-            row["cpu_kernels"] = kernel
+            row["path"] = name
+            row["cpu_kernels"] = name != "torch"
             row["dtype"] = str(eng.dtype)
             row["matmul_floor_ms"] = floor
             row["bf16_matmul_floor_ms"] = bf16_floor
             row["kernel_floor_ms"] = kfloor
+            row["int8_decode_kernel_floor_ms"] = int8_floor
             row["floor_tok_s"] = b / (floor / 1000)
             row["fraction_of_floor"] = floor / row["step_ms"]
             rows.append(row)
             print(
-                f"batch {b:>3} {'kernels' if kernel else 'torch  '}: step {row['step_ms']:.1f} ms "
+                f"batch {b:>3} {name:<19}: step {row['step_ms']:.1f} ms "
                 f"({row['tok_s']:.1f} tok/s), model {row['model_ms']:.1f} ms, sampler "
                 f"{row['sampler_ms']:.1f} ms, engine overhead {row['overhead_ms']:.1f} ms "
                 f"({100 * row['overhead_share']:.0f}%); floors: fp32 {floor:.1f} ms, bf16 "
-                f"{bf16_floor:.1f} ms, kernel {kfloor:.1f} ms",
+                f"{bf16_floor:.1f} ms, kernel {kfloor:.1f} ms, int8-decode kernel "
+                f"{int8_floor:.1f} ms",
                 flush=True,
             )
     result = {

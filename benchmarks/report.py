@@ -127,8 +127,10 @@ def main() -> None:
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in step["rows"]:
-            kernel = r.get("gguf_kernel")
-            how = "fp32 GEMM" if kernel is False else "GGUF kernel ≤16 rows" if kernel else "fp32"
+            kernel = r.get("gguf_kernel", r.get("cpu_kernels"))
+            how = r.get("path") or (
+                "fp32 GEMM" if kernel is False else "kernels" if kernel else "fp32"
+            )
             lines.append(
                 f"| {r['batch']} | {how} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {r['model_ms']:.1f} | {r['sampler_ms']:.1f} | "
                 f"{r['overhead_ms']:.1f} ms ({100 * r['overhead_share']:.0f}%) | {r['matmul_floor_ms']:.1f} | "

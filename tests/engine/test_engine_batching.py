@@ -74,6 +74,24 @@ def test_smollm2_batched_equals_sequential(nocache_llm, smol_prompts, smol_batch
 
 
 @pytest.mark.slow
+def test_smollm2_int8_decode_batched_equals_sequential(smol_path, smol_prompts):
+    """``--decode-activations int8``: decode rows take the integer kernel, prompt rows the
+    float one, chosen per token by the model runner (decode rows first in the flat batch),
+    so batching still changes nothing; and the engine really runs that path."""
+    llm = build_llm(model=smol_path, num_blocks=160, block_size=16, max_num_batched_tokens=512,
+                    enable_prefix_caching=False, decode_activations="int8")  # fmt: skip
+    layers = llm.engine.model.linear_layers().values()
+    assert {m.method.name for m in layers} == {"kernel-q4_1+int8-decode", "kernel-q8_0+int8-decode"}
+    prompts, max_tokens = smol_prompts[:8], SMOL_MAX_TOKENS[:8]
+    batched = llm.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
+    alone = [llm.generate(p, greedy(m), use_tqdm=False)[0] for p, m in zip(prompts, max_tokens, strict=True)]  # fmt: skip
+    _assert_same(
+        {str(i): o.outputs[0].token_ids for i, o in enumerate(batched)},
+        {str(i): o.outputs[0].token_ids for i, o in enumerate(alone)},
+    )
+
+
+@pytest.mark.slow
 def test_smollm2_static_policy_matches_continuous(smol_path, smol_prompts, smol_batched):
     llm = build_llm(
         model=smol_path,

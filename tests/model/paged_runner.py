@@ -27,11 +27,17 @@ class PagedRunner:
         self.tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
 
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """``chunks``: (sequence id, its new token ids) in batch order. Returns, per chunk,
-        the float32 logits of every new token: [len(new tokens), vocab]."""
+    def step(
+        self, chunks: list[tuple[str, list[int]]], decode: set[str] | frozenset = frozenset()
+    ) -> list[torch.Tensor]:
+        """``chunks``: (sequence id, its new token ids) in batch order; ``decode``: the
+        sequences whose new tokens are generated ones (the model runner puts them first in
+        the flat batch, as here, and the linear layers may give them their own kernel).
+        Returns, per chunk, the float32 logits of every new token: [len(new tokens), vocab]."""
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i][0] not in decode)
+        num_decode = sum(1 for seq, _ in chunks if seq in decode)
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
-        for seq, new in chunks:
+        for seq, new in (chunks[i] for i in order):
             start = self.num_computed.get(seq, 0)
             end = start + len(new)
             table = self.tables.setdefault(seq, [])
@@ -45,7 +51,7 @@ class PagedRunner:
             self.num_computed[seq] = end
         meta = AttentionMetadata.build(
             query_lens, seq_lens, tables, self.block_size,
-            use_kernel=self.model.attention_backend == "kernel",
+            use_kernel=self.model.attention_backend == "kernel", num_decode_seqs=num_decode,
         )  # fmt: skip
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64),
@@ -53,8 +59,12 @@ class PagedRunner:
             self.kv_caches,
             meta,
         )
-        logits = self.model.compute_logits(hidden)
-        return list(logits.split(query_lens))
+        logits = self.model.compute_logits(hidden, meta.num_decode_tokens)
+        rows = logits.split(query_lens)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
+        for pos, i in enumerate(order):
+            out[i] = rows[pos]
+        return out
 
     def share_prefix(self, seq: str, from_seq: str, num_tokens: int) -> None:
         """Start ``seq`` on ``from_seq``'s first ``num_tokens`` (whole blocks), already
@@ -70,7 +80,7 @@ class PagedRunner:
         Returns logits for every position: [len(tokens), vocab]."""
         rows = [self.step([(seq, tokens[:prompt_len])])[0]]
         for t in tokens[prompt_len:]:
-            rows.append(self.step([(seq, [t])])[0])
+            rows.append(self.step([(seq, [t])], decode={seq})[0])
         return torch.cat(rows)
 
 
@@ -88,7 +98,7 @@ def greedy_generate(
         out.append(tok)
         if tok in eos or len(out) == max_new_tokens:
             return out
-        logits = runner.step([("g", [tok])])[0][-1]
+        logits = runner.step([("g", [tok])], decode={"g"})[0][-1]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -105,6 +105,67 @@ def test_every_kind_matches_the_reference_and_is_batch_invariant(kind):
     assert torch.equal(gemm.matmul(x[37:38], w), full[37:38])
 
 
+needs_q8 = pytest.mark.skipif(
+    not gemm.q8_available(), reason="needs an x86 CPU with AVX2/FMA/F16C and a C compiler"
+)
+
+
+@needs_q8
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_int8_activation_kernel_equals_its_reference_and_is_batch_invariant(qtype):
+    """qgemm.c: x rounded per row and block of 32 (gemm.quantize_activations, the kernel's
+    rounding spelled in torch), then exact integer dots: equals the float64 product of the
+    rounded x and the dequantised weight to float32 accumulation, stays within the stated
+    rounding bound of the unrounded product, and is bitwise the same for any row count,
+    position in the batch and thread count."""
+    n, k, m = 203, 320, 100
+    w = gemm.from_gguf(random_blocks(qtype, n, k, seed=5), int(qtype), (n, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)) * 3
+    x[7] = 0.0  # an all-zero row: scale 0, no division by zero
+    x[9, :32] = 0.0  # and an all-zero block
+    qx, dx = gemm.quantize_activations(x)
+    assert qx.abs().max() <= 127 and torch.equal(qx, qx.round())
+    rounded = (qx.view(m, k // 32, 32) * dx[..., None]).view(m, k)
+    want = rounded.double() @ w.dequantize().double().T
+    full = gemm.matmul_q8(x, w, num_threads=2)
+    assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(full[7], torch.zeros(n))
+    exact = x.double() @ w.dequantize().double().T
+    err = (full.double() - exact).abs()
+    assert (err <= gemm.q8_error_bound(x, w) + 1e-5 * exact.abs().max()).all()
+    assert err.max() > 0  # the rounding is real: this is not the float kernel
+    for rows in (1, 2, 3, 4, 5, 9, 33, 64, 99):
+        for threads in (1, 2):
+            assert torch.equal(gemm.matmul_q8(x[:rows], w, num_threads=threads), full[:rows])
+    assert torch.equal(gemm.matmul_q8(x[41:42], w), full[41:42])
+    with pytest.raises(ValueError, match="no integer kernel"):
+        gemm.matmul_q8(x, gemm.from_dense(torch.randn(8, k)))
+
+
+@needs_q8
+def test_packed_method_sends_decode_rows_to_the_int8_kernel_and_prompt_rows_to_float():
+    from tinyserve.layers.linear import LinearBase
+
+    w = gemm.from_gguf(random_blocks(Q4_1, 70, 96, seed=9), int(Q4_1), (70, 96))
+    layer = LinearBase(96, 70, bias=False, dtype=torch.float32, tp=_tp1())
+    layer.set_method(PackedMethod(w, int8_decode=True))
+    assert layer.method.name == "kernel-q4_1+int8-decode"
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(10))
+    y = layer(x, num_decode=2)
+    assert torch.equal(y[:2], gemm.matmul_q8(x[:2], w))
+    assert torch.equal(y[2:], gemm.matmul(x[2:], w))
+    assert torch.equal(layer(x), gemm.matmul(x, w))  # no decode rows: all float
+    assert torch.equal(layer(x, num_decode=6), gemm.matmul_q8(x, w))
+    # A float weight has no integer kernel: the flag does not apply to it.
+    assert PackedMethod(gemm.from_dense(torch.randn(8, 96)), int8_decode=True).name == "kernel-f32"
+
+
+def _tp1():
+    from tinyserve.distributed.parallel_state import TPGroup
+
+    return TPGroup()
+
+
 @needs_kernel
 def test_int8_per_channel_error_bound():
     """Weight-only int8, one scale per output channel: |w - w_q| <= s / 2 with

@@ -59,6 +59,7 @@ def worker_spec(args: EngineArgs, dtype=None):
         tensor_parallel_size=args.tensor_parallel_size,
         cpu_kernels=args.cpu_kernels,
         quantization=args.quantization,
+        decode_activations=args.decode_activations,
     )
 
 
@@ -102,6 +103,7 @@ class LLMEngine:
             tp=tp,
             cpu_kernels=args.cpu_kernels,
             quantization=args.quantization,
+            decode_activations=args.decode_activations,
         )
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(self.source) if args.load_tokenizer else None

@@ -11,15 +11,8 @@
 // read. Every item computes its scores, softmax and weighted sum in one fixed order over
 // the keys, so a row's output never depends on which other rows share the step (batch
 // invariance), only on its own context.
-#include <immintrin.h>
-
-#include "simd.h"
+#include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 static inline float dot(const float *a, const float *b, int D) {
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));

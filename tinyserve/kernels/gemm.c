@@ -12,16 +12,7 @@
 // one 8-lane accumulator per (n, r) takes acc = fma(w, x, acc) over the blocks in order,
 // and the 8 lanes are summed last in a fixed tree. Tiling only decides which (n, r) pairs
 // share a dequantised block; it never changes what is added to what.
-#include <immintrin.h>
-
-#include "simd.h"
-#include <stdint.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
+#include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 
 typedef struct {
     int kind;

@@ -31,18 +31,34 @@ _GGML_TYPES = {3: Q4_1, 8: Q8_0}  # GGML type ids
 _BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    lib = load("gemm")
+def _bind(name: str, restype) -> ctypes.CDLL | None:
+    """Kernel ``name`` (gemm.c / qgemm.c: the same entry-point signature) loaded and typed."""
+    lib = load(name)
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.gemm.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i32, i32]
-        lib.gemm.restype = None
+        fn = getattr(lib, name)
+        fn.argtypes = [i32, p, p, p, p, i64, p, i64, i64, i64, i32, i32]
+        fn.restype = restype
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    return _bind("gemm", None)
 
 
 def available() -> bool:
     return library() is not None
+
+
+@functools.cache
+def q8_library() -> ctypes.CDLL | None:
+    """qgemm.c: the same weights times activations quantised to 8 bits per block."""
+    return _bind("qgemm", ctypes.c_int)
+
+
+def q8_available() -> bool:
+    return q8_library() is not None
 
 
 @dataclass
@@ -137,18 +153,74 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def matmul(x: torch.Tensor, w: PackedWeight, num_threads: int | None = None) -> torch.Tensor:
-    """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32."""
-    lib = library()
-    assert lib is not None, "CPU kernels are not available"
+def _output(m_rows: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m_rows, n, dtype=torch.float32)
+    if tuple(out.shape) != (m_rows, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{m_rows}, {n}] tensor")
+    return out
+
+
+def _run(fn, what: str, x: torch.Tensor, w: PackedWeight, num_threads, out) -> torch.Tensor:
     x = x.contiguous()
     m_rows, k = x.shape
     n = w.shape[0]
     if k != w.shape[1] or x.dtype != torch.float32:
-        raise ValueError(f"matmul: x {tuple(x.shape)} {x.dtype} vs weight {w.shape}")
-    y = torch.empty(m_rows, n, dtype=torch.float32)
+        raise ValueError(f"{what}: x {tuple(x.shape)} {x.dtype} vs weight {w.shape}")
+    y = _output(m_rows, n, out)
     if m_rows == 0:
         return y
-    lib.gemm(_KIND_IDS[w.kind], _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k, y.data_ptr(),
-             n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
+    rc = fn(_KIND_IDS[w.kind], _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k, y.data_ptr(),
+            n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
+    if rc:
+        raise MemoryError(f"{what}: no memory for {m_rows} x {k} quantised activations")
     return y
+
+
+def matmul(
+    x: torch.Tensor,
+    w: PackedWeight,
+    num_threads: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32 (into ``out`` if given)."""
+    lib = library()
+    assert lib is not None, "CPU kernels are not available"
+    return _run(lib.gemm, "matmul", x, w, num_threads, out)
+
+
+def matmul_q8(
+    x: torch.Tensor,
+    w: PackedWeight,
+    num_threads: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T`` with ``x`` quantised to int8 per row and block of 32 (qgemm.c), for Q4_1 /
+    Q8_0 weights: the integer dot products llama.cpp uses, exact but for the rounding of x
+    (bound: :func:`q8_error_bound`)."""
+    lib = q8_library()
+    assert lib is not None, "CPU kernels are not available"
+    if w.kind not in (Q4_1, Q8_0):
+        raise ValueError(f"matmul_q8: weight kind {w.kind} has no integer kernel")
+    return _run(lib.qgemm, "matmul_q8", x, w, num_threads, out)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of qgemm.c's activation rounding: per row and block of 32,
+    dx = max|x| / 127 and qx = round_half_even(x * (1 / dx)) (float32 ops, as the kernel
+    does them). Returns (qx as float32 [M, K], dx [M, K/32])."""
+    m_rows, k = x.shape
+    xb = x.float().reshape(m_rows, k // 32, 32)
+    dx = xb.abs().amax(dim=-1) / torch.tensor(127.0)
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    qx = torch.round(xb * inv[..., None])
+    return qx.reshape(m_rows, k), dx
+
+
+def q8_error_bound(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """[M, N] bound on |matmul_q8 - x @ W.T| from rounding x: each element moves by at most
+    dx / 2 of its block, so the error is <= sum_b dx_b / 2 * sum_{k in b} |W[n, k]|."""
+    n, k = w.shape
+    _, dx = quantize_activations(x)
+    wabs = w.dequantize().abs().reshape(n, k // 32, 32).sum(-1)  # [N, K/32]
+    return (dx.double() / 2) @ wabs.double().T

@@ -2,14 +2,8 @@
 // residual add + RMSNorm, and SiLU(gate) * up. Each row is computed alone, in one fixed
 // order, so results never depend on the other rows of the step (batch invariance) — and a
 // decode step runs 2 calls per layer instead of ~15 small torch ops.
-#include <immintrin.h>
-
-#include "simd.h"
+#include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <math.h>
-#include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 // If residual != NULL: residual[r] += x[r] first, and the norm is of the sum.
 // out[r] = v * w / sqrt(mean(v^2) + eps). H % 8 == 0. Rows over threads.

@@ -2,6 +2,13 @@
 #ifndef TINYSERVE_SIMD_H
 #define TINYSERVE_SIMD_H
 #include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -66,6 +66,9 @@ class AttentionMetadata:
     block_size: int
     groups: list[AttentionGroup]  # the torch path's rectangles (empty on the kernel path)
     kernel: KernelInputs | None = None
+    # The step's first rows that are generated tokens (decode), for the linear layers'
+    # int8-activation path (layers/linear.py): the first num_decode_seqs sequences' tokens.
+    num_decode_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -81,14 +84,18 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         use_kernel: bool = False,
+        num_decode_seqs: int = 0,
     ) -> AttentionMetadata:
         """``query_lens[i]`` new tokens of sequence i (flat, in order) at positions
         ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``. ``use_kernel``: build the
-        block-table kernel's inputs instead of the torch path's masks."""
+        block-table kernel's inputs instead of the torch path's masks. The first
+        ``num_decode_seqs`` sequences are decoding (their new tokens were generated)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError(
                 "query_lens, seq_lens and block_tables must have one entry per sequence"
             )
+        if not 0 <= num_decode_seqs <= len(query_lens):
+            raise ValueError(f"num_decode_seqs {num_decode_seqs} of {len(query_lens)} sequences")
         query_start_loc = [0]
         for ql, sl, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if ql < 1 or sl < ql:
@@ -123,7 +130,7 @@ class AttentionMetadata:
                 tables.to(torch.int32),
             )
             return cls(slot_mapping, query_start_loc, list(seq_lens), block_tables, block_size,
-                       groups, kernel)  # fmt: skip
+                       groups, kernel, query_start_loc[num_decode_seqs])  # fmt: skip
         for is_decode in (True, False):
             rows = [i for i, ql in enumerate(query_lens) if (ql == 1) == is_decode]
             if rows:
@@ -146,6 +153,7 @@ class AttentionMetadata:
             block_tables,
             block_size,
             groups,
+            num_decode_tokens=query_start_loc[num_decode_seqs],
         )
 
 

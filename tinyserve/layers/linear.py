@@ -13,6 +13,15 @@ Methods: :class:`DenseMethod` (torch's GEMM on the float weight, any dtype/devic
 :class:`PackedMethod` (tinyserve/kernels/gemm.c on a GGUF's Q4_1/Q8_0 blocks, int8 with
 per-channel scales, or the float32 weight itself). The packed method serves every row count
 with one summation order per output, so a token's numbers do not depend on its batch.
+
+Every ``forward`` takes ``num_decode``: the step's first rows that are generated (decode)
+tokens (the model runner orders them first). With ``--decode-activations int8`` on a GGUF's
+blocks those rows go through kernels/qgemm.c, activations rounded to int8 per block of 32 as
+llama.cpp does (a decode matmul is bound by unpacking weights; integer dots do 4x the work per
+instruction), and prompt rows through the float kernel (compute-bound: faster in float on
+AVX2). The path depends only on the row's own token, never on the batch: invariance holds.
+Opt-in, because rounding activations moves the logits (greedy text can leave the float
+reference's); the default keeps every activation float32.
 """
 
 from __future__ import annotations
@@ -42,26 +51,39 @@ class LinearMethod:
 
     name = "base"
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        """``x`` [M, in] -> [M, out]; rows ``[:num_decode]`` are generated tokens."""
         raise NotImplementedError
 
 
 class DenseMethod(LinearMethod):
     name = "dense"
 
-    def apply(self, layer, x):
+    def apply(self, layer, x, num_decode=0):
         return F.linear(x, layer.weight, layer.bias)
 
 
+DECODE_ACTIVATIONS = ("int8", "float32")
+
+
 class PackedMethod(LinearMethod):
-    """The CPU kernel on a packed weight (float32 activations in and out)."""
+    """The CPU kernel on a packed weight (float32 activations in and out). With
+    ``int8_decode`` (GGUF blocks only), decode rows take the int8-activation kernel."""
 
-    def __init__(self, packed: PackedWeight) -> None:
+    def __init__(self, packed: PackedWeight, int8_decode: bool = False) -> None:
         self.packed = packed
-        self.name = f"kernel-{packed.kind}"
+        self.int8_decode = int8_decode and packed.kind in (gemm.Q4_1, gemm.Q8_0)
+        self.name = f"kernel-{packed.kind}" + ("+int8-decode" if self.int8_decode else "")
 
-    def apply(self, layer, x):
-        y = gemm.matmul(x, self.packed)
+    def apply(self, layer, x, num_decode=0):
+        if self.int8_decode and num_decode > 0:
+            x = x.contiguous()
+            y = torch.empty(x.shape[0], self.packed.shape[0], dtype=torch.float32)
+            gemm.matmul_q8(x[:num_decode], self.packed, out=y[:num_decode])
+            if num_decode < x.shape[0]:
+                gemm.matmul(x[num_decode:], self.packed, out=y[num_decode:])
+        else:
+            y = gemm.matmul(x, self.packed)
         return y if layer.bias is None else y + layer.bias
 
 
@@ -92,23 +114,30 @@ def choose_linear_methods(
     packed: dict[str, PackedWeight],
     use_kernels: bool,
     quantization: str | None = None,
+    decode_activations: str = "float32",
 ) -> dict[str, int]:
     """Fix every layer's method once. With ``use_kernels`` (CPU, float32, kernels built):
-    the checkpoint's own blocks where ``packed`` has them, else int8 when asked, else the
-    float32 weight — all through the one batch-invariant kernel. Without: torch's GEMM.
-    Returns how many layers got each method. ``quantization`` is checked by
-    check_quantization before the weights load."""
+    the checkpoint's own blocks where ``packed`` has them (decode rows with int8 activations
+    if ``decode_activations="int8"``), else int8 weights when asked, else the float32
+    weight — all through the batch-invariant kernels. Without: torch's GEMM. Returns how many
+    layers got each method. ``quantization`` is checked by check_quantization first."""
+    if decode_activations not in DECODE_ACTIVATIONS:
+        raise ValueError(
+            f"decode_activations {decode_activations!r}: use one of {', '.join(DECODE_ACTIVATIONS)}"
+        )
+    int8_decode = decode_activations == "int8" and gemm.q8_available()
     counts: dict[str, int] = {}
     for name, layer in layers.items():
         method: LinearMethod = DenseMethod()
         if use_kernels and gemm.available():
             w = packed.get(name)
+            own_blocks = w is not None
             if w is None and quantization == "int8":
                 w = gemm.quantize_int8(layer.weight.data)
             if w is None:
                 w = gemm.from_dense(layer.weight.data)
             if w is not None and w.shape == tuple(layer.weight.shape):
-                method = PackedMethod(w)
+                method = PackedMethod(w, int8_decode=int8_decode and own_blocks)
         layer.set_method(method)
         counts[method.name] = counts.get(method.name, 0) + 1
     return counts
@@ -137,8 +166,9 @@ class LinearBase(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.method: LinearMethod = DenseMethod()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        return self.method.apply(self, x)
+    def forward(self, x: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        """[num_tokens, in] -> [num_tokens, out]; the first ``num_decode`` rows decode."""
+        return self.method.apply(self, x, num_decode)
 
     # Shard math. ``shard_rows`` says where a fused shard sits in this rank's rows.
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
@@ -212,8 +242,8 @@ class RowParallelLinear(LinearBase):
         cols = loaded.shape[1] // self.tp.size
         return loaded.narrow(1, self.tp.rank * cols, cols)
 
-    def forward(self, x):
-        return self.tp.all_reduce(self.method.apply(self, x))
+    def forward(self, x, num_decode=0):
+        return self.tp.all_reduce(self.method.apply(self, x, num_decode))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -229,8 +259,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)  # [num_tokens, hidden]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        return self.method.apply(self, hidden)
+    def logits(self, hidden: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab]; the first ``num_decode`` rows are decode rows."""
+        return self.method.apply(self, hidden, num_decode)
 
     weight_loader = LinearBase.weight_loader
     set_method = LinearBase.set_method

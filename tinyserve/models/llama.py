@@ -69,14 +69,15 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        nd = meta.num_decode_tokens
+        qkv = self.qkv_proj(x, nd)  # [num_tokens, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
         if self.use_kernel:
             ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
                                self.num_heads, self.num_kv_heads)  # fmt: skip
             q = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             o = paged_attention(q[:, : self.num_heads], k_cache, v_cache, meta, self.scale)
-            return self.o_proj(o.reshape(-1, self.q_size))
+            return self.o_proj(o.reshape(-1, self.q_size), nd)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotated together: one set of elementwise ops instead of two.
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
@@ -85,7 +86,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(o.reshape(-1, self.q_size), nd)
 
 
 class LlamaMLP(nn.Module):
@@ -99,11 +100,10 @@ class LlamaMLP(nn.Module):
         )
         self.use_kernel = False  # fused SiLU-and-mul (kernels/ops.c); set once by the loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.use_kernel:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul(gate_up))
+    def forward(self, x: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, num_decode)
+        act = ops.silu_and_mul(gate_up) if self.use_kernel else silu_and_mul(gate_up)
+        return self.down_proj(act, num_decode)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos_sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.num_decode_tokens), residual
 
 
 class LlamaModel(nn.Module):
@@ -198,9 +198,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in)."""
-        return self.lm_head_module.logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in; the
+        first ``num_decode`` of them are decode rows)."""
+        return self.lm_head_module.logits(hidden, num_decode).float()
 
     def linear_layers(self) -> dict[str, LinearBase | VocabParallelEmbedding]:
         """Every matmul of the model by parameter prefix (the LM head once, even if tied)."""

@@ -438,11 +438,13 @@ def load_model(
     tp: TPGroup | None = None,
     cpu_kernels: bool = True,
     quantization: str | None = None,
+    decode_activations: str = "float32",
 ) -> tuple[LlamaForCausalLM, ModelSource]:
     """Resolve, build and fill the model (this rank's shard of it under tensor parallel), then
     fix each linear layer's method (layers/linear.py: choose_linear_methods): on a CPU with
     the kernels and fp32, a GGUF's own Q4_1/Q8_0 blocks, int8 if ``quantization="int8"``, or
-    the float32 weight through the same batch-invariant kernel. The tokenizer is separate."""
+    the float32 weight through the same batch-invariant kernel; ``decode_activations="int8"``
+    rounds decode rows' activations on a GGUF's blocks (as llama.cpp). Tokenizer separate."""
     from tinyserve.kernels import attention as attention_kernel
     from tinyserve.layers.linear import check_quantization, choose_linear_methods
 
@@ -463,7 +465,14 @@ def load_model(
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
-    counts = choose_linear_methods(net.linear_layers(), packed, use_kernels, quantization)
+    counts = choose_linear_methods(
+        net.linear_layers(), packed, use_kernels, quantization, decode_activations
+    )
+    if decode_activations == "int8" and not any("int8-decode" in k for k in counts):
+        logger.warning(
+            "--decode-activations int8 has no effect here: it needs a GGUF's Q4_1/Q8_0 blocks "
+            "on the CPU kernels (float32, tensor parallel size 1)"
+        )
     heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     if use_kernels and attention_kernel.fits(*heads):
         net.attention_backend = "kernel"

@@ -29,6 +29,7 @@ class StepInput:
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
+    num_decode_seqs: int = 0  # the first sequences, whose new tokens were generated
 
 
 class ModelRunner:
@@ -67,7 +68,11 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling: list = []  # the requests that sample, in logits-row order
-        for item in sched.scheduled:
+        # Decode rows first (a stable sort): the linear layers give generated tokens their
+        # own kernel path (layers/linear.py), chosen by the token, never by the batch.
+        items = sorted(sched.scheduled, key=lambda it: not _decodes(it))
+        num_decode_seqs = sum(1 for it in items if _decodes(it))
+        for item in items:
             req = item.request
             start = req.num_computed_tokens
             end = start + item.num_new_tokens
@@ -79,12 +84,14 @@ class ModelRunner:
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
                 sampling.append(req)
-        step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables)
+        step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs)
         hidden = self.forward(step)  # [num_tokens, hidden]
         if not sampling:
             return ModelRunnerOutput()
         idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
+        num_decode_tokens = sum(query_lens[:num_decode_seqs])
+        decode_rows = sum(1 for i in logits_indices if i < num_decode_tokens)
+        logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_sampling, vocab]
         rows = [
             SamplingRow(
                 params=req.sampling_params,
@@ -113,6 +120,7 @@ class ModelRunner:
             self.device,
             self.model.dtype,
             use_kernel=self.model.attention_backend == "kernel",
+            num_decode_seqs=step.num_decode_seqs,
         )
         ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
@@ -155,3 +163,8 @@ class ModelRunner:
                     top=list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)),
                 )
         return result
+
+
+def _decodes(item) -> bool:
+    """The scheduled item computes generated tokens only (its prompt is all computed)."""
+    return item.request.num_computed_tokens >= item.request.num_prompt_tokens

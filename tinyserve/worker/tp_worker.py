@@ -37,6 +37,7 @@ class WorkerSpec:
     tensor_parallel_size: int
     cpu_kernels: bool = True
     quantization: str | None = None
+    decode_activations: str = "float32"
 
 
 def _use_threads(n: int) -> None:
@@ -158,6 +159,7 @@ def worker_main(
             tp=group,
             cpu_kernels=spec.cpu_kernels,
             quantization=spec.quantization,
+            decode_activations=spec.decode_activations,
         )
         num_blocks = group.broadcast()
         if num_blocks is None:  # the driver failed to start

@@ -3,7 +3,8 @@
 the engine with the CPU kernels (the default: the GGUF's blocks, block-table attention,
 fused elementwise ops), with them and --decode-activations int8 (decode rows' activations
 rounded to int8 for integer dot products), and without them (--no-cpu-kernels: torch's fp32
-GEMM and SDPA).
+GEMM and SDPA); and the kernels with the decoder layers looped in Python (--no-fused-step)
+instead of one C call.
 
 matmul floor   the bare fp32 matrix products of one decode step (every layer's qkv, o,
                gate_up, down, plus the LM head) on random activations: what a pure-PyTorch
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = {
         "kernels": {},
         "kernels+int8-decode": {"decode_activations": "int8"},
+        "kernels, layer loop in Python": {"fused_step": False},
         "torch": {"cpu_kernels": False},
     }
     engines = {
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             row["fraction_of_floor"] = floor / row["step_ms"]
             rows.append(row)
             print(
-                f"batch {b:>3} {name:<19}: step {row['step_ms']:.1f} ms "
+                f"batch {b:>3} {name:<29}: step {row['step_ms']:.1f} ms "
                 f"({row['tok_s']:.1f} tok/s), model {row['model_ms']:.1f} ms, sampler "
                 f"{row['sampler_ms']:.1f} ms, engine overhead {row['overhead_ms']:.1f} ms "
                 f"({100 * row['overhead_share']:.0f}%); floors: fp32 {floor:.1f} ms, bf16 "

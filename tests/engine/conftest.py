@@ -32,13 +32,14 @@ def _shared_weights():
     real_load_model, real_load_tokenizer = loader.load_model, loader.load_tokenizer
 
     def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None, tp=None,
-                   cpu_kernels=True, quantization=None, decode_activations="float32"):  # fmt: skip
+                   cpu_kernels=True, quantization=None, decode_activations="float32",
+                   fused_step=True):  # fmt: skip
         kw = dict(max_position=max_position, cpu_kernels=cpu_kernels, quantization=quantization,
-                  decode_activations=decode_activations)  # fmt: skip
+                  decode_activations=decode_activations, fused_step=fused_step)  # fmt: skip
         if tp is not None and tp.size > 1:  # a shard belongs to its process group
             return real_load_model(model, dtype, device, tp=tp, **kw)
         key = (str(model), dtype, str(device), max_position, cpu_kernels, quantization,
-               decode_activations)  # fmt: skip
+               decode_activations, fused_step)  # fmt: skip
         if key not in _models:
             _models[key] = real_load_model(model, dtype, device, **kw)
         return _models[key]

@@ -339,3 +339,62 @@ def test_kernel_threads_follow_the_usable_cpus_not_mkl_or_cpu_count():
     assert _kernel_threads_in_subprocess(env) == usable_cpus() == len(os.sched_getaffinity(0))
     if shutil.which("taskset") and usable_cpus() > 1:
         assert _kernel_threads_in_subprocess(env, ["taskset", "-c", "0"]) == 1
+
+
+needs_step = pytest.mark.skipif(
+    __import__("tinyserve.kernels.step", fromlist=["library"]).library() is None,
+    reason="needs an x86 CPU with AVX2/FMA/F16C and a C compiler",
+)
+
+
+def _mixed_steps(runner, rng):
+    """Prefill chunks, a continued chunk and decode rows, in varied batch orders."""
+    seqs = {s: [rng.randrange(3, 250) for _ in range(40)] for s in "abc"}
+    out = [runner.step([("a", seqs["a"][:9]), ("b", seqs["b"][:3])])]
+    out.append(runner.step([("b", seqs["b"][3:4]), ("a", seqs["a"][9:10]), ("c", seqs["c"][:17])],
+                           decode={"a"}))  # fmt: skip
+    for i in range(3):
+        chunk = [("c", seqs["c"][17 + i : 18 + i]), ("a", seqs["a"][10 + i : 11 + i]),
+                 ("b", seqs["b"][4 + i : 5 + i])]  # fmt: skip
+        out.append(runner.step(chunk, decode={"a", "b", "c"} if i else {"a", "b"}))
+    return [t for step in out for t in step]
+
+
+@needs_step
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, arch):
+    """kernels/step.c runs every layer in one call with the same kernels as llama.py's
+    loop: the same numbers to the bit, for prefill chunks, decode rows and their mix (a tiny
+    Llama, and a Qwen2 whose q/k/v bias step.c adds itself)."""
+    from tiny_models import build_hf, llama_config, qwen2_config, save_hf
+
+    cfg = llama_config() if arch == "llama" else qwen2_config()
+    path = save_hf(build_hf(cfg), tmp_path / arch)
+    fused, _ = load_model(path, torch.float32, "cpu")
+    loop, _ = load_model(path, torch.float32, "cpu", fused_step=False)
+    assert fused.model.step_plan is not None and loop.model.step_plan is None
+    a = _mixed_steps(PagedRunner(fused, 4, num_blocks=64, seed=1), random.Random(2))
+    b = _mixed_steps(PagedRunner(loop, 4, num_blocks=64, seed=1), random.Random(2))
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+@needs_step
+@needs_q8
+def test_smollm2_one_c_call_equals_the_python_loop_with_int8_decode(smollm2_gguf_path):
+    fused, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", decode_activations="int8")
+    loop, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", decode_activations="int8",
+                         fused_step=False)  # fmt: skip
+    assert fused.model.step_plan is not None
+    a = _mixed_steps(PagedRunner(fused, 16, num_blocks=32, seed=3), random.Random(4))
+    b = _mixed_steps(PagedRunner(loop, 16, num_blocks=32, seed=3), random.Random(4))
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_no_c_step_without_the_kernels(tmp_path):
+    from tiny_models import build_hf, llama_config, save_hf
+
+    path = save_hf(build_hf(llama_config()), tmp_path / "llama")
+    net, _ = load_model(path, torch.float32, "cpu", cpu_kernels=False)
+    assert net.model.step_plan is None

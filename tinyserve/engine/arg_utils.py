@@ -27,6 +27,7 @@ class EngineArgs:
     cpu_kernels: bool = True  # tinyserve/kernels matmuls + attention (CPU, fp32; batch-invariant)
     quantization: str | None = None  # "int8": weight-only int8 for float checkpoints
     decode_activations: str = "float32"  # GGUF blocks: "int8" rounds decode activations
+    fused_step: bool = True  # all layers in one C call (kernels/step.c) on the kernel path
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -95,6 +96,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "activations to 8 bits per block of 32 for integer dot products, as llama.cpp does "
         "(1.6x faster decode matmuls on AVX2; logits move, greedy text can differ from the "
         "float reference); default float32 keeps them exact",
+    )
+    parser.add_argument(
+        "--fused-step",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_step,
+        help="on the CPU kernel path, run every decoder layer in one C call (kernels/step.c; "
+        "bitwise the same as the per-layer Python loop, which --no-fused-step keeps)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -104,6 +104,7 @@ class LLMEngine:
             cpu_kernels=args.cpu_kernels,
             quantization=args.quantization,
             decode_activations=args.decode_activations,
+            fused_step=args.fused_step,
         )
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(self.source) if args.load_tokenizer else None

@@ -58,9 +58,9 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, float
 }
 
 // The 32 codes of block b of output n as bytes (Q4_1: unsigned 0..15; Q8_0: signed).
-INLINE __m256i codes(const qgemm_t *w, int64_t n, int64_t b) {
+INLINE __m256i codes(const qgemm_t *w, const int kind, int64_t n, int64_t b) {
     const int64_t nb = w->K / 32;
-    if (w->kind == 0) {
+    if (kind == 0) {
         __m128i raw = _mm_loadu_si128((const __m128i *)(w->qs + (n * nb + b) * 16));
         const __m128i low = _mm_set1_epi8(0x0F);
         __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
@@ -88,8 +88,8 @@ INLINE float dotf(const float *a, const float *b, int64_t n) {
 }
 
 // One tile: NT outputs x MT rows.
-INLINE void tile(const qgemm_t *w, int64_t n0, const int NT, int64_t r0, const int MT,
-                 float *y, int64_t ldy) {
+INLINE void tile(const qgemm_t *w, const int kind, int64_t n0, const int NT, int64_t r0,
+                 const int MT, float *y, int64_t ldy) {
     __m256 acc[4][4];
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < MT; r++) acc[i][r] = _mm256_setzero_ps();
@@ -98,8 +98,8 @@ INLINE void tile(const qgemm_t *w, int64_t n0, const int NT, int64_t r0, const i
         __m256i wq[4], wabs[4];
         float dw[4];
         for (int i = 0; i < NT; i++) {
-            wq[i] = codes(w, n0 + i, b);
-            wabs[i] = w->kind == 0 ? wq[i] : _mm256_sign_epi8(wq[i], wq[i]);
+            wq[i] = codes(w, kind, n0 + i, b);
+            wabs[i] = kind == 0 ? wq[i] : _mm256_sign_epi8(wq[i], wq[i]);
             dw[i] = w->d[(n0 + i) * nb + b];
         }
         for (int r = 0; r < MT; r++) {
@@ -108,13 +108,13 @@ INLINE void tile(const qgemm_t *w, int64_t n0, const int NT, int64_t r0, const i
             const float dx = w->dx[row];
             for (int i = 0; i < NT; i++)
                 acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * dx),
-                                            dot32(w->kind, wq[i], wabs[i], xq), acc[i][r]);
+                                            dot32(kind, wq[i], wabs[i], xq), acc[i][r]);
         }
     }
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < MT; r++) {
             float v = hsum8(acc[i][r]);
-            if (w->kind == 0) v += dotf(w->m + (n0 + i) * nb, w->sx + (r0 + r) * nb, nb);
+            if (kind == 0) v += dotf(w->m + (n0 + i) * nb, w->sx + (r0 + r) * nb, nb);
             y[(r0 + r) * ldy + n0 + i] = v;
         }
 }
@@ -126,11 +126,12 @@ INLINE void tile(const qgemm_t *w, int64_t n0, const int NT, int64_t r0, const i
 #define MT_MANY 4
 #define PANEL 128
 
-static void rows_kind(const qgemm_t *w, int M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+INLINE void rows_kind(const qgemm_t *w, const int kind, int M, float *y, int64_t ldy,
+                      int64_t n0, int64_t n1) {
     if (M == 1) {
         int64_t n = n0;
-        for (; n + NT1 <= n1; n += NT1) tile(w, n, NT1, 0, 1, y, ldy);
-        for (; n < n1; n++) tile(w, n, 1, 0, 1, y, ldy);
+        for (; n + NT1 <= n1; n += NT1) tile(w, kind, n, NT1, 0, 1, y, ldy);
+        for (; n < n1; n++) tile(w, kind, n, 1, 0, 1, y, ldy);
         return;
     }
     for (int p0 = 0; p0 < M; p0 += PANEL) {
@@ -138,23 +139,20 @@ static void rows_kind(const qgemm_t *w, int M, float *y, int64_t ldy, int64_t n0
         int64_t n = n0;
         for (; n + NT_MANY <= n1; n += NT_MANY) {
             int r = p0;
-            for (; r + MT_MANY <= p1; r += MT_MANY) tile(w, n, NT_MANY, r, MT_MANY, y, ldy);
-            for (; r < p1; r++) tile(w, n, NT_MANY, r, 1, y, ldy);
+            for (; r + MT_MANY <= p1; r += MT_MANY) tile(w, kind, n, NT_MANY, r, MT_MANY, y, ldy);
+            for (; r < p1; r++) tile(w, kind, n, NT_MANY, r, 1, y, ldy);
         }
         for (; n < n1; n++)
-            for (int r = p0; r < p1; r++) tile(w, n, 1, r, 1, y, ldy);
+            for (int r = p0; r < p1; r++) tile(w, kind, n, 1, r, 1, y, ldy);
     }
 }
 
+// One copy per weight kind: the kind is a constant in each, so its branches fold away.
 static void rows_q4_1(const qgemm_t *w, int M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    qgemm_t c = *w;
-    c.kind = 0;
-    rows_kind(&c, M, y, ldy, n0, n1);
+    rows_kind(w, 0, M, y, ldy, n0, n1);
 }
 static void rows_q8_0(const qgemm_t *w, int M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    qgemm_t c = *w;
-    c.kind = 1;
-    rows_kind(&c, M, y, ldy, n0, n1);
+    rows_kind(w, 1, M, y, ldy, n0, n1);
 }
 
 // Entry point (ctypes). Returns 0, or -1 when the activation buffers cannot be allocated.

@@ -149,10 +149,16 @@ class LlamaModel(nn.Module):
             dtype,
             inv_freq=rope_inv_freq,
         )
+        # kernels/step.py: every layer in one C call, the same kernels as the loop below
+        # (bitwise); set by the loader when every layer runs on the CPU kernels.
+        self.step_plan = None
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos_sin = self.rotary_emb.cos_sin(positions)
+        if self.step_plan is not None and meta.kernel is not None:  # (torch-path metadata: loop)
+            x, residual = self.step_plan.forward(x.clone(), cos_sin, kv_caches, meta)
+            return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)

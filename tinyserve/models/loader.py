@@ -439,12 +439,14 @@ def load_model(
     cpu_kernels: bool = True,
     quantization: str | None = None,
     decode_activations: str = "float32",
+    fused_step: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelSource]:
     """Resolve, build and fill the model (this rank's shard of it under tensor parallel), then
     fix each linear layer's method (layers/linear.py: choose_linear_methods): on a CPU with
     the kernels and fp32, a GGUF's own Q4_1/Q8_0 blocks, int8 if ``quantization="int8"``, or
     the float32 weight through the same batch-invariant kernel; ``decode_activations="int8"``
-    rounds decode rows' activations on a GGUF's blocks (as llama.cpp). Tokenizer separate."""
+    rounds decode rows' activations on a GGUF's blocks (as llama.cpp). ``fused_step``: all
+    layers in one C call where every layer is on the kernels. The tokenizer is separate."""
     from tinyserve.kernels import attention as attention_kernel
     from tinyserve.layers.linear import check_quantization, choose_linear_methods
 
@@ -477,10 +479,15 @@ def load_model(
     if use_kernels and attention_kernel.fits(*heads):
         net.attention_backend = "kernel"
     _use_fused_ops(net, use_kernels)
+    if use_kernels and fused_step:
+        from tinyserve.kernels import step as step_kernel
+
+        net.model.step_plan = step_kernel.build_plan(net)
     logger.info(
-        "linear methods: %s; attention: %s",
+        "linear methods: %s; attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
         net.attention_backend,
+        net.model.step_plan is not None,
     )
     return net, source
 

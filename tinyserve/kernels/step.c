@@ -1,0 +1,116 @@
+// The decoder layers of one step in one call: the same kernels, with the same arguments and
+// in the same order as models/llama.py's kernel path calls them one by one from Python, so
+// the results are bitwise the same, without ~8 Python -> ctypes round trips (and their
+// tensor allocations) per layer. The kernels live in their own libraries (gemm.c, qgemm.c,
+// ops.c, attention.c); their entry points arrive here as function pointers.
+//
+// Per layer l, with x the layer input and residual the residual stream ([M, H] each):
+//   l == 0: residual = x; h = norm(x)           else: residual += x; h = norm(residual)
+//   qkv = h W_qkv^T (+ bias); rope + K/V cache write; o = attention(q); x = o W_o^T
+//   residual += x; h = norm(residual); x = silu_and_mul(h W_gu^T) W_down^T
+// Rows [0, nd) are decode rows (linear layers with int8_decode send them to qgemm).
+#include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
+#include <string.h>
+
+typedef void (*gemm_fn)(int, const void *, const float *, const float *, const float *, int64_t,
+                        float *, int64_t, int64_t, int64_t, int, int);
+typedef int (*qgemm_fn)(int, const void *, const float *, const float *, const float *, int64_t,
+                        float *, int64_t, int64_t, int64_t, int, int);
+typedef void (*rms_fn)(const float *, float *, const float *, float *, int64_t, int64_t, float,
+                       int);
+typedef void (*silu_fn)(const float *, float *, int64_t, int64_t, int);
+typedef void (*rope_fn)(float *, const float *, const float *, float *, float *, const int64_t *,
+                        int64_t, int, int, int, int);
+typedef int (*attn_fn)(const float *, int64_t, const float *, const float *, int, int, int, int,
+                       const int64_t *, const int64_t *, const int64_t *, int64_t,
+                       const int32_t *, int64_t, float, float *, int);
+
+typedef struct {
+    int64_t kind, int8_decode;  // kind as in gemm.c; int8_decode: decode rows through qgemm
+    const void *qs;
+    const float *d, *m, *bias;  // bias may be NULL
+    int64_t N, K;
+} linear_t;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    linear_t qkv, o, gate_up, down;
+} layer_t;
+
+typedef struct {
+    gemm_fn gemm;
+    qgemm_fn qgemm;
+    rms_fn rms_norm;
+    silu_fn silu_and_mul;
+    rope_fn rope_and_cache;
+    attn_fn paged_attention;
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
+    float eps, scale;
+    const layer_t *layers;
+} model_t;
+
+typedef struct {  // this step's attention inputs (layers/attention.py KernelInputs)
+    const float *cos, *sin;
+    const int64_t *slot_mapping, *query_start_loc, *seq_lens, *seq_of_token;
+    const int32_t *block_tables;
+    int64_t max_blocks;
+    float *const *k_caches, *const *v_caches;  // [num_layers] each
+} step_t;
+
+static int linear(const model_t *mo, const linear_t *w, const float *x, float *y, int M, int nd,
+                  int nt) {
+    int rc = 0;
+    if (w->int8_decode && nd > 0) {
+        rc = mo->qgemm((int)w->kind, w->qs, w->d, w->m, x, w->K, y, w->N, w->N, w->K, nd, nt);
+        if (nd < M)
+            mo->gemm((int)w->kind, w->qs, w->d, w->m, x + (int64_t)nd * w->K, w->K,
+                     y + (int64_t)nd * w->N, w->N, w->N, w->K, M - nd, nt);
+    } else {
+        mo->gemm((int)w->kind, w->qs, w->d, w->m, x, w->K, y, w->N, w->N, w->K, M, nt);
+    }
+    if (w->bias)  // y + bias, one rounding per element, as torch adds it
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = 0; n < w->N; n++) y[r * w->N + n] += w->bias[n];
+    return rc;
+}
+
+// x [M, H]: the embeddings in, the last layer's output out; residual [M, H]: the residual
+// stream out (the final norm is the caller's). Returns 0, or -1 when memory ran out.
+int forward_layers(const model_t *mo, const step_t *st, float *x, float *residual, int M,
+                   int nd, int nt) {
+    const int64_t H = mo->hidden, I = mo->intermediate, D = mo->head_dim;
+    const int64_t NH = mo->num_heads, KVH = mo->num_kv_heads, QKV = (NH + 2 * KVH) * D;
+    float *h = (float *)malloc((size_t)M * H * sizeof(float));
+    float *qkv = (float *)malloc((size_t)M * QKV * sizeof(float));
+    float *o = (float *)malloc((size_t)M * NH * D * sizeof(float));
+    float *gu = (float *)malloc((size_t)M * 2 * I * sizeof(float));
+    float *act = (float *)malloc((size_t)M * I * sizeof(float));
+    int rc = (h && qkv && o && gu && act) ? 0 : -1;
+    for (int64_t l = 0; l < mo->num_layers && rc == 0; l++) {
+        const layer_t *L = &mo->layers[l];
+        if (l == 0) {
+            memcpy(residual, x, (size_t)M * H * sizeof(float));
+            mo->rms_norm(x, NULL, L->input_norm, h, M, H, mo->eps, nt);
+        } else {
+            mo->rms_norm(x, residual, L->input_norm, h, M, H, mo->eps, nt);
+        }
+        rc |= linear(mo, &L->qkv, h, qkv, M, nd, nt);
+        mo->rope_and_cache(qkv, st->cos, st->sin, st->k_caches[l], st->v_caches[l],
+                           st->slot_mapping, M, (int)NH, (int)KVH, (int)D, nt);
+        rc |= mo->paged_attention(qkv, QKV, st->k_caches[l], st->v_caches[l],
+                                  (int)mo->block_size, (int)NH, (int)KVH, (int)D,
+                                  st->query_start_loc, st->seq_lens, st->seq_of_token, M,
+                                  st->block_tables, st->max_blocks, mo->scale, o, nt);
+        rc |= linear(mo, &L->o, o, x, M, nd, nt);
+        mo->rms_norm(x, residual, L->post_norm, h, M, H, mo->eps, nt);
+        rc |= linear(mo, &L->gate_up, h, gu, M, nd, nt);
+        mo->silu_and_mul(gu, act, M, I, nt);
+        rc |= linear(mo, &L->down, act, x, M, nd, nt);
+    }
+    free(h);
+    free(qkv);
+    free(o);
+    free(gu);
+    free(act);
+    return rc ? -1 : 0;
+}

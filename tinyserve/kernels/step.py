@@ -1,0 +1,146 @@
+"""All decoder layers of a step in one C call (step.c), for the CPU kernel path.
+
+models/llama.py's kernel path calls ~8 kernels per layer from Python; at one decode stream
+those ~240 ctypes round trips and their tensor allocations cost milliseconds a step. step.c
+makes the same calls with the same arguments in the same order, so its results are bitwise
+those of the Python path (tests/model/test_cpu_kernels.py), and the Python path stays the
+readable reference. Built once per model by :func:`build_plan` (None where any layer is off
+the kernels: torch methods, tensor parallel, shapes the kernels do not serve).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tinyserve.kernels import attention, gemm, ops
+from tinyserve.kernels.build import kernel_threads, load
+
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", I64), ("int8_decode", I64), ("qs", P), ("d", P), ("m", P),
+                ("bias", P), ("N", I64), ("K", I64)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear)]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("gemm", P), ("qgemm", P), ("rms_norm", P), ("silu_and_mul", P),
+                ("rope_and_cache", P), ("paged_attention", P), ("num_layers", I64),
+                ("hidden", I64), ("intermediate", I64), ("num_heads", I64),
+                ("num_kv_heads", I64), ("head_dim", I64), ("block_size", I64), ("eps", F32),
+                ("scale", F32), ("layers", ctypes.POINTER(_Layer))]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("cos", P), ("sin", P), ("slot_mapping", P), ("query_start_loc", P),
+                ("seq_lens", P), ("seq_of_token", P), ("block_tables", P),
+                ("max_blocks", I64), ("k_caches", P), ("v_caches", P)]  # fmt: skip
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    lib = load("step")
+    if lib is not None:
+        lib.forward_layers.argtypes = [P, P, P, P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.forward_layers.restype = ctypes.c_int
+    return lib
+
+
+def _fn(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(layer) -> _Linear | None:
+    method = layer.method
+    packed = getattr(method, "packed", None)
+    if packed is None:
+        return None
+    n, k = packed.shape
+    return _Linear(gemm._KIND_IDS[packed.kind], int(method.int8_decode), _ptr(packed.qs),
+                   _ptr(packed.d), _ptr(packed.m), _ptr(layer.bias), n, k)  # fmt: skip
+
+
+class StepPlan:
+    """The model's layers as step.c reads them: pointers into the model's tensors, fixed
+    when built (after the loader fixes the methods), which the plan keeps alive."""
+
+    def __init__(self, model, layers: ctypes.Array, keep: list) -> None:
+        # keep: the tensors the pointers point into (alive even if a method is replaced).
+        self._layers, self._keep = layers, keep
+        cfg, attn = model.config, model.model.layers[0].self_attn
+        libs = (gemm.library(), gemm.q8_library(), ops.library(), attention.library())
+        self._lib = library()
+        self._struct = _Model(
+            _fn(libs[0], "gemm"), _fn(libs[1], "qgemm"), _fn(libs[2], "rms_norm"),
+            _fn(libs[2], "silu_and_mul"), _fn(libs[2], "rope_and_cache"),
+            _fn(libs[3], "paged_attention"), cfg.num_hidden_layers, cfg.hidden_size,
+            cfg.intermediate_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
+            cfg.rms_norm_eps, attn.scale, layers,
+        )  # fmt: skip
+        self._caches: tuple[int, ctypes.Array, ctypes.Array] | None = None
+
+    def _cache_ptrs(self, kv_caches) -> tuple[ctypes.Array, ctypes.Array]:
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if self._caches is None or self._caches[0] != key:
+            n = len(kv_caches)
+            ks = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kv_caches))
+            vs = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in kv_caches))
+            self._caches = (key, ks, vs)
+        return self._caches[1], self._caches[2]
+
+    def forward(
+        self, x: torch.Tensor, cos_sin, kv_caches, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H] embeddings (overwritten) -> (last layer's output, residual stream)."""
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        kin = meta.kernel
+        ks, vs = self._cache_ptrs(kv_caches)
+        cos, sin = (t.contiguous() for t in cos_sin)
+        self._struct.block_size = kv_caches[0][0].shape[1]
+        step = _Step(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+                     kin.query_start_loc.data_ptr(), kin.seq_lens.data_ptr(),
+                     kin.seq_of_token.data_ptr(), kin.block_tables.data_ptr(),
+                     kin.block_tables.shape[1], ctypes.addressof(ks), ctypes.addressof(vs))  # fmt: skip
+        rc = self._lib.forward_layers(
+            ctypes.addressof(self._struct), ctypes.addressof(step), x.data_ptr(),
+            residual.data_ptr(), x.shape[0], meta.num_decode_tokens, kernel_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("forward_layers: could not allocate its scratch memory")
+        return x, residual
+
+
+def build_plan(model) -> StepPlan | None:
+    """A StepPlan when every layer runs on the kernels (packed linears, fused norms, RoPE,
+    SiLU and the block-table attention, one rank); else None (the Python path serves)."""
+    if library() is None or model.tp.size != 1 or model.attention_backend != "kernel":
+        return None
+    if gemm.q8_library() is None:
+        return None
+    layers, keep = [], []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (attn.use_kernel and mlp.use_kernel and all(n.use_kernel for n in norms)):
+            return None
+        lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(lin is None for lin in lins):
+            return None
+        layers.append(_Layer(_ptr(norms[0].weight), _ptr(norms[1].weight), *lins))
+        keep += [n.weight for n in norms]
+        keep += [(m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
+                                                    mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+    return StepPlan(model, (_Layer * len(layers))(*layers), keep)

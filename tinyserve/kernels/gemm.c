@@ -18,8 +18,10 @@ typedef struct {
     int kind;
     const void *qs;
     const float *d, *m;
-    int64_t K;
+    int64_t K, N;
 } weight_t;
+
+#define PF_TILES 2  // decode tiles prefetch the tile this many tiles ahead
 
 // The 8 weights j*8 .. j*8+7 of block b of output row n, as floats.
 INLINE __m256 weights8(const weight_t *w, int64_t n, int64_t b, int j) {
@@ -48,7 +50,12 @@ INLINE void tile(const weight_t *w, int64_t n0, const int NT, const float *x, in
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < MT; r++) acc[i][r] = _mm256_setzero_ps();
     const int64_t nb = w->K / 32;
+    const int64_t ahead = n0 + PF_TILES * NT;
+    const int prefetch = w->kind != 2 && MT <= 2 && ahead + NT <= w->N;  // decode tiles
     for (int64_t b = 0; b < nb; b++) {
+        if (prefetch)
+            prefetch_tile(w->qs, w->d, w->kind == 0 ? w->m : NULL, ahead, NT, nb,
+                          w->kind == 0 ? 16 : 32, b);
         for (int j = 0; j < 4; j++) {
             __m256 wv[8];
             for (int i = 0; i < NT; i++) wv[i] = weights8(w, n0 + i, b, j);
@@ -77,7 +84,10 @@ INLINE void tile_q4_1_m1(const weight_t *w, int64_t n0, const int NT, const floa
     for (int i = 0; i < NT; i++) acc[i] = _mm256_setzero_ps();
     const int64_t nb = w->K / 32;
     const __m128i low = _mm_set1_epi8(0x0F);
+    const int64_t ahead = n0 + PF_TILES * NT;
+    const int prefetch = ahead + NT <= w->N;
     for (int64_t b = 0; b < nb; b++) {
+        if (prefetch) prefetch_tile(w->qs, w->d, w->m, ahead, NT, nb, 16, b);
         const __m256 x0 = _mm256_loadu_ps(x + b * 32), x1 = _mm256_loadu_ps(x + b * 32 + 8);
         const __m256 x2 = _mm256_loadu_ps(x + b * 32 + 16), x3 = _mm256_loadu_ps(x + b * 32 + 24);
         for (int i = 0; i < NT; i++) {
@@ -135,7 +145,7 @@ static void rows_kind(const weight_t *w, const float *x, int64_t ldx, int M, flo
         for (int r = 0; r < M; r++) tiles_few(w, x + (int64_t)r * ldx, ldx, 1, y + (int64_t)r * ldy, ldy, n0, n1);
         return;
     }
-    weight_t wb = {2, buf, NULL, NULL, w->K};
+    weight_t wb = {2, buf, NULL, NULL, w->K, NT_MANY};
     for (int p0 = 0; p0 < M; p0 += PANEL) {
         const int pm = M - p0 < PANEL ? M - p0 : PANEL;
         const float *xp = x + (int64_t)p0 * ldx;
@@ -196,7 +206,7 @@ static void rows_f32(const weight_t *w, const float *x, int64_t ldx, int M, floa
 // boundary never splits a tile differently; not needed for the numbers, kept for speed).
 void gemm(int kind, const void *qs, const float *d, const float *m, const float *x,
           int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
-    weight_t w = {kind, qs, d, m, K};
+    weight_t w = {kind, qs, d, m, K, N};
     void (*fn)(const weight_t *, const float *, int64_t, int, float *, int64_t, int64_t,
                int64_t) = kind == 0 ? rows_q4_1 : kind == 1 ? rows_q8_0 : rows_f32;
     if (nthreads <= 1 || N < 12) {

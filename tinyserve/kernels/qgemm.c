@@ -16,11 +16,13 @@
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <math.h>
 
+#define PF_TILES 2  // prefetch the tile this many tiles ahead (1-2 best here; 4, 8 worse)
+
 typedef struct {
     int kind;
     const uint8_t *qs;
     const float *d, *m;
-    int64_t K;
+    int64_t K, N;
     const int8_t *qx;  // [M, K] quantised activations
     const float *dx, *sx;  // [M, K/32]
 } qgemm_t;
@@ -94,7 +96,10 @@ INLINE void tile(const qgemm_t *w, const int kind, int64_t n0, const int NT, int
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < MT; r++) acc[i][r] = _mm256_setzero_ps();
     const int64_t nb = w->K / 32;
+    const int64_t cb = kind == 0 ? 16 : 32, ahead = n0 + PF_TILES * NT;
+    const int prefetch = ahead + NT <= w->N;
     for (int64_t b = 0; b < nb; b++) {
+        if (prefetch) prefetch_tile(w->qs, w->d, kind == 0 ? w->m : NULL, ahead, NT, nb, cb, b);
         __m256i wq[4], wabs[4];
         float dw[4];
         for (int i = 0; i < NT; i++) {
@@ -119,19 +124,22 @@ INLINE void tile(const qgemm_t *w, const int kind, int64_t n0, const int NT, int
         }
 }
 
-// Decode (one row): 4 outputs per tile; more rows: 2 outputs x 4 rows, rows in panels whose
+// Decode (up to FEW rows): 4 outputs per tile, one row at a time; more rows: 2 outputs x 4 rows, rows in panels whose
 // codes (PANEL x K bytes) stay in L2 while every output pair passes over them.
 #define NT1 4
+#define FEW 2
 #define NT_MANY 2
 #define MT_MANY 4
 #define PANEL 128
 
 INLINE void rows_kind(const qgemm_t *w, const int kind, int M, float *y, int64_t ldy,
                       int64_t n0, int64_t n1) {
-    if (M == 1) {
+    if (M <= FEW) {  // each 4-output tile once per row while its codes are in L1
         int64_t n = n0;
-        for (; n + NT1 <= n1; n += NT1) tile(w, kind, n, NT1, 0, 1, y, ldy);
-        for (; n < n1; n++) tile(w, kind, n, 1, 0, 1, y, ldy);
+        for (; n + NT1 <= n1; n += NT1)
+            for (int r = 0; r < M; r++) tile(w, kind, n, NT1, r, 1, y, ldy);
+        for (; n < n1; n++)
+            for (int r = 0; r < M; r++) tile(w, kind, n, 1, r, 1, y, ldy);
         return;
     }
     for (int p0 = 0; p0 < M; p0 += PANEL) {
@@ -167,7 +175,7 @@ int qgemm(int kind, const void *qs, const float *d, const float *m, const float 
         return -1;
     }
     float *sx = dx + (size_t)M * nb;
-    qgemm_t w = {kind, (const uint8_t *)qs, d, m, K, qx, dx, sx};
+    qgemm_t w = {kind, (const uint8_t *)qs, d, m, K, N, qx, dx, sx};
     void (*fn)(const qgemm_t *, int, float *, int64_t, int64_t, int64_t) =
         kind == 0 ? rows_q4_1 : rows_q8_0;
     if (nthreads <= 1 || N < 8) {

@@ -35,4 +35,21 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(n));
 }
 
+// Prefetch, one block step at a time, the weights of the tile of NT output rows starting at
+// row na (rows of nb blocks: cb code bytes each in qs, one float in d and, if m, in m). Called
+// for b = 0 .. nb-1 while an earlier tile computes, so its rows (contiguous: NT * nb * cb
+// bytes) arrive one cache line per step — the memory-level parallelism the hardware
+// prefetcher does not reach at one decode row.
+INLINE void prefetch_tile(const void *qs, const float *d, const float *m, int64_t na,
+                          int NT, int64_t nb, int64_t cb, int64_t b) {
+    const char *q = (const char *)qs + na * nb * cb;
+    const int64_t span = NT * nb * cb, per = (NT * cb + 63) / 64 * 64;
+    for (int64_t off = b * per; off < span && off < (b + 1) * per; off += 64)
+        _mm_prefetch(q + off, _MM_HINT_T0);
+    if (b * 64 < NT * nb * 4) {
+        _mm_prefetch((const char *)(d + na * nb) + b * 64, _MM_HINT_T0);
+        if (m) _mm_prefetch((const char *)(m + na * nb) + b * 64, _MM_HINT_T0);
+    }
+}
+
 #endif

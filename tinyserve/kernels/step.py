@@ -103,13 +103,13 @@ class StepPlan:
     def forward(
         self, x: torch.Tensor, cos_sin, kv_caches, meta
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, H] embeddings (overwritten) -> (last layer's output, residual stream)."""
+        """x [M, H] embeddings (overwritten in place) -> (last layer's output, residual)."""
         x = x.contiguous()
         residual = torch.empty_like(x)
         kin = meta.kernel
         ks, vs = self._cache_ptrs(kv_caches)
         cos, sin = (t.contiguous() for t in cos_sin)
-        self._struct.block_size = kv_caches[0][0].shape[1]
+        self._struct.block_size = meta.block_size
         step = _Step(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
                      kin.query_start_loc.data_ptr(), kin.seq_lens.data_ptr(),
                      kin.seq_of_token.data_ptr(), kin.block_tables.data_ptr(),

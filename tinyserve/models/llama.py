@@ -157,7 +157,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos_sin = self.rotary_emb.cos_sin(positions)
         if self.step_plan is not None and meta.kernel is not None:  # (torch-path metadata: loop)
-            x, residual = self.step_plan.forward(x.clone(), cos_sin, kv_caches, meta)
+            x, residual = self.step_plan.forward(x, cos_sin, kv_caches, meta)
             return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

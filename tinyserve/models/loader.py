@@ -470,7 +470,10 @@ def load_model(
     counts = choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations
     )
-    if decode_activations == "int8" and not any("int8-decode" in k for k in counts):
+    layers = net.linear_layers().values()
+    if decode_activations == "int8" and not any(
+        getattr(m.method, "int8_decode", False) for m in layers
+    ):
         logger.warning(
             "--decode-activations int8 has no effect here: it needs a GGUF's Q4_1/Q8_0 blocks "
             "on the CPU kernels (float32, tensor parallel size 1)"

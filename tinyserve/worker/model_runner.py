@@ -70,9 +70,10 @@ class ModelRunner:
         sampling: list = []  # the requests that sample, in logits-row order
         # Decode rows first (a stable sort): the linear layers give generated tokens their
         # own kernel path (layers/linear.py), chosen by the token, never by the batch.
-        items = sorted(sched.scheduled, key=lambda it: not _decodes(it))
-        num_decode_seqs = sum(1 for it in items if _decodes(it))
-        for item in items:
+        flagged = sorted(((not _decodes(it), it) for it in sched.scheduled), key=lambda p: p[0])
+        num_decode_seqs = sum(1 for prompt, _ in flagged if not prompt)
+        decode_rows = 0  # logits rows of decoding sequences (the first ones)
+        for prompt, item in flagged:
             req = item.request
             start = req.num_computed_tokens
             end = start + item.num_new_tokens
@@ -84,13 +85,12 @@ class ModelRunner:
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
                 sampling.append(req)
+                decode_rows += not prompt
         step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs)
         hidden = self.forward(step)  # [num_tokens, hidden]
         if not sampling:
             return ModelRunnerOutput()
         idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        num_decode_tokens = sum(query_lens[:num_decode_seqs])
-        decode_rows = sum(1 for i in logits_indices if i < num_decode_tokens)
         logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_sampling, vocab]
         rows = [
             SamplingRow(

@@ -25,7 +25,7 @@ from machine import machine_info  # noqa: E402
 
 os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
 
-from tinyserve.config import CacheConfig, SchedulerConfig  # noqa: E402
+from tinyserve.config import SchedulerConfig  # noqa: E402
 from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
 from tinyserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from tinyserve.engine.scheduler import Scheduler  # noqa: E402
@@ -95,8 +95,8 @@ def table_modes(n: int, max_tokens: int, seed: int) -> list[dict]:
     rows = []
     engine = make_engine(max_num_seqs=1)
     # Singleton without KV cache: every token recomputes the whole sequence (a fresh cache).
-    model, runner = engine.model, engine.runner
-    bs = engine.cache_config.block_size
+    model, runner = engine.executor.model, engine.executor.runner
+    bs = engine.args.block_size
     t0 = time.perf_counter()
     ntok = 0
     with torch.inference_mode():
@@ -105,7 +105,7 @@ def table_modes(n: int, max_tokens: int, seed: int) -> list[dict]:
             for _ in range(max_tokens):
                 L = len(seq)
                 table = list(range((L + bs - 1) // bs))
-                meta = AttentionMetadata.build([L], [L], [table], bs, engine.device)
+                meta = AttentionMetadata.build([L], [L], [table], bs, engine.executor.device)
                 h = model(torch.tensor(seq), torch.arange(L), runner.kv_caches, meta)
                 seq.append(int(model.compute_logits(h[-1:]).argmax(-1)))
                 ntok += 1
@@ -155,7 +155,7 @@ def table_prefix(n: int, seed: int) -> list[dict]:
         before = engine.stats()
         r = run_engine(engine, prompts, [16] * n)
         after = engine.stats()
-        kv = engine.kv_cache_manager
+        kv = engine.core.kv_cache_manager
         total_prompt = sum(len(p) for p in prompts)
         computed = after.prompt_tokens_total - before.prompt_tokens_total
         rows.append(
@@ -184,8 +184,7 @@ def table_sim(
             sc = SchedulerConfig(
                 max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, policy=policy
             )
-            cc = CacheConfig(block_size=16, num_blocks=4096)
-            sched = Scheduler(sc, cc, KVCacheManager(4096, 16))
+            sched = Scheduler(sc, KVCacheManager(4096, 16))
             for i in range(n):
                 p = [rng.randint(3, 1000) for _ in range(rng.randint(16, 48))]
                 sched.add_request(

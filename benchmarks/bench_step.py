@@ -85,7 +85,7 @@ def kernel_floor_ms(model, batch: int, iters: int) -> float:
 
 
 def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
-    runner = engine.runner
+    runner = engine.executor.runner
     model = runner.model
     timers: dict[str, list[float]] = {"model": [], "sampler": []}
     originals = {"forward": model.forward, "compute_logits": model.compute_logits}
@@ -108,7 +108,7 @@ def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
             SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
         )
     while any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.requests.values()
     ):
         engine.step()
     for _ in range(2):
@@ -125,7 +125,7 @@ def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
     finally:
         model.forward, model.compute_logits = originals["forward"], originals["compute_logits"]
         runner.sampler = sampler
-    for rid in list(engine._children):
+    for rid in list(engine.output_processor.parents):
         engine.abort(rid)
     step_ms = 1000 * statistics.median(step_times)
     # forward and LM head alternate in timers["model"]: pair them per step
@@ -176,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = engines["kernels"]
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        floor = matmul_floor_ms(engine.model, b, args.steps, torch.float32)
-        bf16_floor = matmul_floor_ms(engine.model, b, max(3, args.steps // 5), torch.bfloat16)
-        kfloor = kernel_floor_ms(engine.model, b, args.steps)
+        floor = matmul_floor_ms(engine.executor.model, b, args.steps, torch.float32)
+        bf16_floor = matmul_floor_ms(
+            engine.executor.model, b, max(3, args.steps // 5), torch.bfloat16
+        )
+        kfloor = kernel_floor_ms(engine.executor.model, b, args.steps)
         int8_floor = kernel_floor_ms(engines["kernels+int8-decode"].model, b, args.steps)
         for name, eng in engines.items():
             row = step_anatomy(eng, b, args.steps)
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "dtype": str(engine.dtype),
+        "dtype": str(engine.executor.dtype),
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
         "machine": machine_info(),

@@ -86,9 +86,9 @@ def measure(model: str, tp: int, batch1_tokens: int, batch16_tokens: int) -> dic
             return steps, tokens
 
         run(1, 4)  # warm-up
-        before = engine.runner.tp.num_all_reduces
+        before = engine.executor.runner.tp.num_all_reduces
         steps1, _ = run(1, batch1_tokens)
-        reduces_per_step = (engine.runner.tp.num_all_reduces - before) / len(steps1)
+        reduces_per_step = (engine.executor.runner.tp.num_all_reduces - before) / len(steps1)
         steps16, tokens16 = run(16, batch16_tokens)
         decode16 = steps16[1:]  # the first step is the prefill of all 16
         return {

@@ -59,20 +59,37 @@ class ModelRunnerOutput:
 
 
 @dataclass
-class StepOutput:
-    """What one step produced for one request, ready for the API layer."""
+class Usage:
+    """A request's token counts: each prompt once (whatever ``n``), every choice's output."""
 
-    request_id: str  # the id given to add_request (the parent's, for n > 1)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one choice of a request, ready for the API layer."""
+
+    request_id: str  # the id given to add_request
     new_token_ids: list[int]
     text_delta: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
-    index: int = 0  # which of the n samples
+    index: int = 0  # the choice: prompt_index * n + sample
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    prompt_index: int = 0  # which of the request's prompts this choice continues
+    # The request's last output (every choice has finished) carries its usage.
+    request_finished: bool = False
+    usage: Usage | None = None
 
     @property
     def finished(self) -> bool:

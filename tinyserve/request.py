@@ -69,8 +69,6 @@ class Request:
     # Set by the engine: parent id and index for the n>1 split.
     parent_id: str | None = None
     index: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     error: str | None = None
 
     def __post_init__(self) -> None:

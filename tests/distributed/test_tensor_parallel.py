@@ -68,9 +68,12 @@ def test_engine_tp2_greedy_equals_tp1(tiny_paths):
     with LLM(tiny_paths["qwen2"], **kw) as llm:
         want = _greedy(llm, prompts, 12)
     with LLM(tiny_paths["qwen2"], tensor_parallel_size=2, **kw) as llm:
-        assert llm.engine.tp_driver is not None and len(llm.engine.tp_driver.processes) == 1
+        assert (
+            llm.engine.executor.tp_driver is not None
+            and len(llm.engine.executor.tp_driver.processes) == 1
+        )
         got = _greedy(llm, prompts, 12)
-        procs = list(llm.engine.tp_driver.processes)
+        procs = list(llm.engine.executor.tp_driver.processes)
     assert got == want
     assert all(not p.is_alive() for p in procs)  # close() let the workers exit
 

@@ -8,14 +8,13 @@ its own KV cache, scheduler and runner.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from unittest import mock
 
 import pytest
 import torch
 
 from tinyserve.engine.arg_utils import EngineArgs
+from tinyserve.engine.executor import Executor
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.sampling_params import SamplingParams
 
@@ -25,52 +24,59 @@ _models: dict[tuple, tuple] = {}
 _tokenizers: dict[str, object] = {}
 
 
-@contextmanager
-def _shared_weights():
-    from tinyserve.models import loader
+def _shared_model(args: EngineArgs) -> tuple:
+    """(model, source) for ``args``, loaded once per process."""
+    from tinyserve.models.loader import load_model
+    from tinyserve.worker.device import resolve_device
 
-    real_load_model, real_load_tokenizer = loader.load_model, loader.load_tokenizer
+    dtype = getattr(torch, args.dtype)
+    kw = dict(max_position=args.max_model_len, cpu_kernels=args.cpu_kernels,
+              quantization=args.quantization, decode_activations=args.decode_activations,
+              fused_step=args.fused_step)  # fmt: skip
+    key = (str(args.model), args.dtype, args.device, *kw.values())
+    if key not in _models:
+        _models[key] = load_model(args.model, dtype, resolve_device(args.device), **kw)
+    return _models[key]
 
-    def load_model(model=None, dtype=torch.float32, device="cpu", max_position=None, tp=None,
-                   cpu_kernels=True, quantization=None, decode_activations="float32",
-                   fused_step=True):  # fmt: skip
-        kw = dict(max_position=max_position, cpu_kernels=cpu_kernels, quantization=quantization,
-                  decode_activations=decode_activations, fused_step=fused_step)  # fmt: skip
-        if tp is not None and tp.size > 1:  # a shard belongs to its process group
-            return real_load_model(model, dtype, device, tp=tp, **kw)
-        key = (str(model), dtype, str(device), max_position, cpu_kernels, quantization,
-               decode_activations, fused_step)  # fmt: skip
-        if key not in _models:
-            _models[key] = real_load_model(model, dtype, device, **kw)
-        return _models[key]
 
-    def load_tokenizer(source):
-        key = str(source.path)
-        if key not in _tokenizers:
-            _tokenizers[key] = real_load_tokenizer(source)
-        return _tokenizers[key]
+def _shared_tokenizer(source):
+    from tinyserve.models.loader import load_tokenizer
 
-    with (
-        mock.patch.object(loader, "load_model", load_model),
-        mock.patch.object(loader, "load_tokenizer", load_tokenizer),
-    ):
-        yield
+    key = str(source.path)
+    if key not in _tokenizers:
+        _tokenizers[key] = load_tokenizer(source)
+    return _tokenizers[key]
 
 
 def build_engine(**kwargs) -> LLMEngine:
-    """``LLMEngine(EngineArgs(dtype="float32", device="cpu", **kwargs))`` with shared weights."""
-    kwargs = {"dtype": "float32", "device": "cpu", **kwargs}
-    with _shared_weights():
-        return LLMEngine(EngineArgs(**kwargs))
+    """``LLMEngine(EngineArgs(dtype="float32", device="cpu", **kwargs))``, over a real
+    Executor whose model weights (and tokenizer) are shared by every engine of the process."""
+    args = EngineArgs(**{"dtype": "float32", "device": "cpu", **kwargs})
+    if args.tensor_parallel_size > 1:  # a shard belongs to its process group
+        return LLMEngine(args)
+    executor = Executor(args, loaded=_shared_model(args))
+    tokenizer = _shared_tokenizer(executor.source) if args.load_tokenizer else None
+    return LLMEngine(args, executor=executor, tokenizer=tokenizer)
+
+
+def record_schedules(engine: LLMEngine) -> list:
+    """Wrap the engine's scheduler so each step's SchedulerOutput is appended to a list."""
+    scheduler = engine.core.scheduler
+    schedule, seen = scheduler.schedule, []
+
+    def recording_schedule():
+        seen.append(schedule())
+        return seen[-1]
+
+    scheduler.schedule = recording_schedule
+    return seen
 
 
 def build_llm(**kwargs):
     """``LLM(dtype="float32", **kwargs)`` with shared weights."""
     from tinyserve.entrypoints.llm import LLM
 
-    kwargs = {"dtype": "float32", "device": "cpu", **kwargs}
-    with _shared_weights():
-        return LLM(**kwargs)
+    return LLM(engine=build_engine(**kwargs))
 
 
 # ---------------------------------------------------------------- models
@@ -213,15 +219,15 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 def assert_no_leaks(engine: LLMEngine) -> None:
     """Nothing of any request is left anywhere once the engine is idle."""
     assert not engine.has_unfinished()
-    sched, kv = engine.scheduler, engine.kv_cache_manager
+    sched, kv = engine.core.scheduler, engine.core.kv_cache_manager
     assert not sched.requests and not sched.running and not sched.waiting
     assert kv.num_free_blocks == kv.num_total_blocks
     assert all(b.ref_count == 0 for b in kv.blocks)
     assert not kv.req_to_blocks and not kv._req_to_chain
-    assert not engine._detokenizers and not engine._children
+    assert not engine.output_processor.parents and not engine.output_processor._parent_of
     # The runner drops per-request state at the step after a request leaves.
     assert engine.step() == []
-    assert not engine.runner.generators
+    assert not engine.executor.runner.generators
 
 
 # ---------------------------------------------------------------- text prompts for SmolLM2

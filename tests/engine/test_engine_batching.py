@@ -10,6 +10,7 @@ from conftest import (
     build_llm,
     greedy,
     random_prompt,
+    record_schedules,
     run_alone,
     run_batch,
     text_prompts,
@@ -80,7 +81,7 @@ def test_smollm2_int8_decode_batched_equals_sequential(smol_path, smol_prompts):
     so batching still changes nothing; and the engine really runs that path."""
     llm = build_llm(model=smol_path, num_blocks=160, block_size=16, max_num_batched_tokens=512,
                     enable_prefix_caching=False, decode_activations="int8")  # fmt: skip
-    layers = llm.engine.model.linear_layers().values()
+    layers = llm.engine.executor.model.linear_layers().values()
     assert {m.method.name for m in layers} == {"kernel-q4_1+int8-decode", "kernel-q8_0+int8-decode"}
     prompts, max_tokens = smol_prompts[:8], SMOL_MAX_TOKENS[:8]
     batched = llm.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
@@ -147,16 +148,17 @@ def test_tiny_qwen2_batched_equals_sequential(tiny_qwen2_path, tiny_alone):
 def _trace_admissions(engine, requests):
     """Add all requests and step to the end. Returns the per-request tokens and, per step,
     (ids scheduled for the first time, ids admitted earlier and still unfinished)."""
+    schedules = record_schedules(engine)
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     seen: set[str] = set()
     trace = []
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
-        live_old = {rid for rid in engine.scheduler.requests if rid in seen}
+        live_old = {rid for rid in engine.core.scheduler.requests if rid in seen}
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        ids = {item.request.request_id for item in engine.last_scheduler_output.scheduled}
+        ids = {item.request.request_id for item in schedules[-1].scheduled}
         trace.append((ids - seen, live_old))
         seen |= ids
     return trace, tokens

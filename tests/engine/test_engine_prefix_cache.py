@@ -77,7 +77,7 @@ def _run_staggered(engine, prompts, tag):
     engine.add_request(f"{tag}0", prompts[0], params[0])
     while not collector.choices.get(f"{tag}0"):
         collector.feed(engine.step())
-    kv = engine.kv_cache_manager
+    kv = engine.core.kv_cache_manager
     before = (kv.prefix_cache_block_queries, kv.prefix_cache_block_hits)
     for i in range(1, len(prompts)):
         engine.add_request(f"{tag}{i}", prompts[i], params[i])
@@ -117,6 +117,6 @@ def test_shared_system_prompt_hits_and_identical_outputs(smol_path, smol_engine,
         assert again[f"again{i}"].token_ids == off[f"off{i}"].token_ids, f"request {i}"
     assert hits2 == queries2  # every full block of every prompt (but the last token's)
     assert (
-        smol_engine.kv_cache_manager.num_free_blocks
-        == smol_engine.kv_cache_manager.num_total_blocks
+        smol_engine.core.kv_cache_manager.num_free_blocks
+        == smol_engine.core.kv_cache_manager.num_total_blocks
     )

@@ -14,6 +14,7 @@ from conftest import (
     drain,
     greedy,
     random_prompt,
+    record_schedules,
     run_alone,
     run_batch,
     text_prompts,
@@ -26,7 +27,9 @@ from tinyserve.sampling_params import SamplingParams
 
 def _phase(engine, parent_id: str) -> str:
     """Where a live request is: waiting, prefill (prompt not all computed) or decode."""
-    reqs = [engine.scheduler.requests[c] for c in engine._children[parent_id]]
+    reqs = [
+        engine.core.scheduler.requests[c] for c in engine.output_processor.parents[parent_id].live
+    ]
     if any(r.num_output_tokens > 0 for r in reqs):
         return "decode"
     if all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in reqs):
@@ -97,7 +100,7 @@ def test_random_aborts_leak_nothing_and_keep_survivors_outputs(tiny_qwen2_path):
     got, aborted = _run_with_random_aborts(engine, requests, rng, abort_prob=0.3)
     assert {"waiting", "prefill", "decode"} <= set(aborted.values()), aborted
     assert len(aborted) >= 10
-    assert engine.scheduler.num_preemptions > 0  # aborts met preempted requests too
+    assert engine.core.scheduler.num_preemptions > 0  # aborts met preempted requests too
     assert_no_leaks(engine)
     assert engine.stats().num_running == engine.stats().num_waiting == 0
     assert engine.stats().kv_cache_usage == 0.0
@@ -158,9 +161,10 @@ def test_step_exception_fails_its_requests_and_engine_recovers(tiny_qwen2_path, 
     for rid in ("c", "d"):
         engine.add_request(rid, *requests[rid])
 
-    model = engine.runner.model
+    model = engine.executor.runner.model
     real_forward = model.forward
     calls = []
+    schedules = record_schedules(engine)
 
     def failing_forward(*args, **kwargs):
         calls.append(1)
@@ -170,7 +174,7 @@ def test_step_exception_fails_its_requests_and_engine_recovers(tiny_qwen2_path, 
 
     monkeypatch.setattr(model, "forward", failing_forward)
     outputs = engine.step()
-    scheduled = {it.request.request_id for it in engine.last_scheduler_output.scheduled}
+    scheduled = {it.request.request_id for it in schedules[-1].scheduled}
     assert scheduled == {"a", "b", "c"}
     assert {o.request_id: o.finish_reason for o in outputs} == dict.fromkeys(scheduled, "error")
     assert all("injected failure" in o.error for o in outputs)

@@ -187,8 +187,8 @@ def test_n_returns_n_choices_sharing_prompt_blocks(smol_llm, smol_engine):
     smol_engine.add_request("multi", prompt, params)
     collector = Collector()
     collector.feed(smol_engine.step())
-    bs = smol_engine.kv_cache_manager.block_size
-    tables = [smol_engine.kv_cache_manager.get_block_ids(f"multi#{i}") for i in range(3)]
+    bs = smol_engine.core.kv_cache_manager.block_size
+    tables = [smol_engine.core.kv_cache_manager.get_block_ids(f"multi#{i}") for i in range(3)]
     shared = (len(prompt) - 1) // bs
     assert shared >= 2
     assert tables[0][:shared] == tables[1][:shared] == tables[2][:shared]
@@ -261,7 +261,7 @@ def test_logprobs_equal_log_softmax_of_the_model_logits(smol_llm, smol_engine):
         ],
         use_tqdm=False,
     )
-    model = smol_engine.runner.model
+    model = smol_engine.executor.runner.model
     for out, k, is_greedy in ((greedy_out, 5, True), (sampled_out, 2, False)):
         [c] = out.outputs
         dense = _dense_logprobs(model, prompt + c.token_ids)

@@ -14,6 +14,7 @@ from conftest import (
     build_engine,
     greedy,
     random_prompt,
+    record_schedules,
     run_alone,
     run_batch,
     text_prompts,
@@ -43,8 +44,8 @@ def test_tiny_qwen2_preemption_keeps_outputs(tiny_qwen2_path, prefix_caching):
 
     engine = tiny_engine(tiny_qwen2_path, num_blocks=24, **kw)
     got = run_batch(engine, requests)
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.stats().num_preemptions == engine.scheduler.num_preemptions
+    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.stats().num_preemptions == engine.core.scheduler.num_preemptions
     for rid, _, params in requests:
         assert got[rid].finish_reason == "length"
         assert len(got[rid].token_ids) == params.max_tokens
@@ -64,7 +65,7 @@ def test_smollm2_preemption_keeps_outputs(smol_path, smollm2_tokenizer):
     ref = run_batch(build_engine(num_blocks=256, **kw), requests)
     engine = build_engine(num_blocks=num_blocks, **kw)
     got = run_batch(engine, requests)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     for rid, _, params in requests:
         assert got[rid].finish_reason == "length"
         assert len(got[rid].token_ids) == params.max_tokens
@@ -103,10 +104,11 @@ def test_chunked_prefill_matches_and_decodes_keep_advancing(smol_path):
     ref = _tokens(run_alone(ref_engine, [*others, long_req]))
 
     tokens: dict[str, list[int]] = {}
+    schedules = record_schedules(engine)
 
     def step():
         outs = engine.step()
-        sched = engine.last_scheduler_output
+        sched = schedules[-1]
         assert sched.num_batched_tokens <= BUDGET
         new = {o.request_id: o.new_token_ids for o in outs}
         for rid, ids in new.items():

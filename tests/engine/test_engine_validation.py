@@ -147,6 +147,6 @@ def test_a_colliding_child_id_rejects_the_whole_request(small_engine):
     small_engine.add_request("dup#1", prompt, SamplingParams(max_tokens=3))
     with pytest.raises(ValueError, match="dup#1"):
         small_engine.add_request("dup", prompt, SamplingParams(n=2, max_tokens=3))
-    assert set(small_engine.scheduler.requests) == {"dup#1"}  # no orphaned "dup#0"
+    assert set(small_engine.core.scheduler.requests) == {"dup#1"}  # no orphaned "dup#0"
     run_batch(small_engine, [])
     assert_no_leaks(small_engine)

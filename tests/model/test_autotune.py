@@ -66,7 +66,7 @@ def test_engine_logs_the_dtype_choice_and_why(tiny_llama_dir, tmp_path, monkeypa
     assert len(lines) == 1 and "float32+kernels" in lines[0], lines
     cfg = engine.model_config
     cached = autotune.choose_cpu_dtype("f32", 2 * cfg.intermediate_size, cfg.hidden_size)
-    assert cached.reason.startswith("cached") and engine.dtype == cached.dtype
+    assert cached.reason.startswith("cached") and engine.executor.dtype == cached.dtype
     # A flag still overrides: no calibration at all.
     caplog.clear()
     with caplog.at_level(logging.INFO):

@@ -1,15 +1,15 @@
-"""A stand-in for LLMEngine with the same API, no model: fast tests of the async engine and
-of failure paths (429, a dead engine thread, one request failing) that a real model cannot
-be made to produce on demand."""
+"""A stand-in for LLMEngine implementing the same ``SyncEngine`` protocol (engine/client.py),
+no model: fast tests of the async engine and of failure paths (429, a dead engine thread, one
+request failing) that a real model cannot be made to produce on demand."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
-from tinyserve.engine.llm_engine import EngineStats
-from tinyserve.outputs import StepOutput
+from tinyserve.engine.client import EngineInfo, EngineStats
+from tinyserve.engine.output_processor import as_prompts, child_ids
+from tinyserve.outputs import StepOutput, Usage
 from tinyserve.sampling_params import SamplingParams
 
 FAIL_TOKEN = 13  # a prompt holding this token id fails with finish_reason "error"
@@ -41,11 +41,11 @@ class FakeEngine:
         max_model_len: int = 512,
     ) -> None:
         self.tokenizer = tokenizer
-        self.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
-        self.source = SimpleNamespace(name="fake-model", path="/fake")
-        self.kv_capacity_tokens = 1024
+        self.info = EngineInfo("fake-model", "/fake", vocab_size, max_model_len, 1024, max_num_seqs)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.usage: dict[str, Usage] = {}  # parent id -> usage so far
         self.step_delay = step_delay
         self.explode = False
         self.seqs: dict[str, _Seq] = {}
@@ -53,7 +53,11 @@ class FakeEngine:
         self.num_steps = 0
         self.num_has_unfinished_calls = 0
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompts, params: SamplingParams) -> None:
+        for prompt in as_prompts(prompts):
+            self._validate_prompt(prompt, params)
+
+    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         for t in prompt_token_ids:
@@ -67,23 +71,31 @@ class FakeEngine:
                 f"the context window of {self.max_model_len} tokens"
             )
 
-    def add_request(
-        self, request_id, prompt_token_ids, params, arrival_time=None, validated=False
-    ) -> None:
+    def add_request(self, request_id, prompts, params, arrival_time=None, validated=False) -> None:
+        prompts = as_prompts(prompts)
         if not validated:
-            self.validate_request(prompt_token_ids, params)
-        n = len(prompt_token_ids)
-        max_tokens = params.max_tokens or self.max_model_len - n
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            self.seqs[rid] = _Seq(request_id, i, n, max_tokens, fail=FAIL_TOKEN in prompt_token_ids)
+            self.validate_request(prompts, params)
+        ids = child_ids(request_id, len(prompts) * params.n)
+        for k, rid in enumerate(ids):
+            prompt = prompts[k // params.n]
+            n, fail = len(prompt), FAIL_TOKEN in prompt
+            max_tokens = params.max_tokens or self.max_model_len - n
+            self.seqs[rid] = _Seq(request_id, k, n, max_tokens, fail=fail)
+        self.usage[request_id] = Usage(prompt_tokens=sum(len(p) for p in prompts))
 
     def abort(self, request_id: str) -> bool:
         ids = [rid for rid, s in self.seqs.items() if s.parent == request_id]
         for rid in ids:
             del self.seqs[rid]
+        self.usage.pop(request_id, None)
         self.aborted.append(request_id)
         return bool(ids)
+
+    def health_problem(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def has_unfinished(self) -> bool:
         self.num_has_unfinished_calls += 1
@@ -91,7 +103,7 @@ class FakeEngine:
 
     @property
     def running(self) -> list[str]:
-        return list(self.seqs)[: self.scheduler_config.max_num_seqs]
+        return list(self.seqs)[: self.max_num_seqs]
 
     def step(self) -> list[StepOutput]:
         self.num_steps += 1
@@ -104,25 +116,33 @@ class FakeEngine:
             s = self.seqs[rid]
             if s.fail:
                 del self.seqs[rid]
-                outputs.append(StepOutput(s.parent, [], "", "error", s.index, error="fake failure"))
+                out = StepOutput(s.parent, [], "", "error", s.index, error="fake failure")
+                outputs.append(self._finish_parent(out))
                 continue
             k = len(s.tokens)
             s.tokens.append(100 + k)
+            self.usage[s.parent].completion_tokens += 1
             done = len(s.tokens) >= s.max_tokens
             if done:
                 del self.seqs[rid]
-            outputs.append(
-                StepOutput(
-                    s.parent,
-                    [100 + k],
-                    f"t{k} ",
-                    "length" if done else None,
-                    s.index,
-                    num_prompt_tokens=s.num_prompt_tokens,
-                    num_output_tokens=len(s.tokens),
-                )
+            out = StepOutput(
+                s.parent,
+                [100 + k],
+                f"t{k} ",
+                "length" if done else None,
+                s.index,
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_output_tokens=len(s.tokens),
             )
+            outputs.append(self._finish_parent(out) if done else out)
         return outputs
+
+    def _finish_parent(self, out: StepOutput) -> StepOutput:
+        """Mark the parent's last output as the engine's output processor does."""
+        if not any(s.parent == out.request_id for s in self.seqs.values()):
+            out.request_finished = True
+            out.usage = self.usage.pop(out.request_id)
+        return out
 
     def stats(self) -> EngineStats:
         running = len(self.running)

@@ -80,3 +80,50 @@ def test_non_streamed_client_timeout_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url("/v1/completions"), json=body, timeout=1.0)
     assert wait_until(lambda: _pool_is_whole(server), timeout=2.0), server.async_engine.stats()
+
+
+def test_a_megabyte_prompt_does_not_stall_other_streams(server, smollm2_tokenizer):
+    """Templating and tokenising 1 MB of chat content takes about a second here; done on the
+    event loop it would freeze every open stream for that long. It runs in a worker thread:
+    a stream in flight keeps its inter-token gaps small while the big request is processed
+    (rejected, as too long for the context, once tokenised)."""
+    text = ("The quick brown fox jumps over the lazy dog. " * 23_000)[:1_000_000]
+    t0 = time.perf_counter()
+    smollm2_tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+    tokenise_s = time.perf_counter() - t0
+    assert tokenise_s > 0.3, "too fast to show a stall: make the prompt longer"
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+            stamps: list[float] = []
+            big_sent = asyncio.Event()
+            big_done: list[float] = []
+
+            async def stream():
+                body = {"model": MODEL, "prompt": "Count:", "max_tokens": 300, "stream": True,
+                        "ignore_eos": True}  # fmt: skip
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            stamps.append(time.perf_counter())
+                            if len(stamps) == 5:
+                                big_sent.set()
+                            if big_done and stamps[-1] > big_done[0] + 0.2:
+                                return
+
+            async def big():
+                await big_sent.wait()
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+                start = time.perf_counter()
+                r = await c.post("/v1/chat/completions", json=body)
+                big_done.append(time.perf_counter())
+                return r, start
+
+            _, (r, start) = await asyncio.gather(stream(), big())
+            return r, start, stamps, big_done[0]
+
+    r, start, stamps, end = asyncio.run(main())
+    assert r.status_code == 400 and "context window" in r.json()["error"]["message"]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > start and a < end]
+    assert gaps, "no token arrived while the big request was processed"
+    assert max(gaps) < tokenise_s / 2, (max(gaps), tokenise_s, end - start)

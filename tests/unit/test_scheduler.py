@@ -31,9 +31,8 @@ def make_scheduler(
         max_model_len=max_model_len,
         **kwargs,
     )
-    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks)
-    kv = KVCacheManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
-    return Scheduler(sched_cfg, cache_cfg, kv)
+    kv = KVCacheManager(num_blocks, block_size, CacheConfig().enable_prefix_caching)
+    return Scheduler(sched_cfg, kv)
 
 
 def make_request(rid: str, prompt: list[int] | int, max_model_len: int = 64, **params) -> Request:

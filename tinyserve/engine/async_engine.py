@@ -3,7 +3,7 @@
 Threads and ownership:
 
 * The event-loop thread calls ``add_request`` / ``generate`` / ``abort``. It never touches the
-  scheduler or the model: it validates (``LLMEngine.validate_request`` is read-only), then puts
+  scheduler or the model: it validates (``SyncEngine.validate_request`` is read-only), then puts
   an add/abort command on a thread-safe inbox and sets the wake-up event.
 * The engine thread is the only caller of ``LLMEngine.add_request / abort / step / stats``. It
   drains the inbox at every step boundary, runs ``step()`` while there is work and sleeps on
@@ -26,23 +26,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tinyserve.engine.llm_engine import EngineStats, LLMEngine
+from tinyserve.engine.client import (
+    EngineDeadError,
+    EngineStats,
+    QueueFullError,
+    RequestFailedError,
+    SyncEngine,
+)
+from tinyserve.engine.output_processor import as_prompts
 from tinyserve.outputs import StepOutput
 from tinyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served any more."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_queued_requests``; the client should retry later."""
-
-
-class RequestFailedError(RuntimeError):
-    """An internal failure of one request (``finish_reason == "error"``)."""
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError"]
 
 
 @dataclass
@@ -83,12 +80,11 @@ class RequestStatsListener(Protocol):
 
 @dataclass
 class _RequestState:
-    """Loop-side bookkeeping of one request (all its n samples)."""
+    """Loop-side bookkeeping of one request (all its choices)."""
 
     queue: asyncio.Queue
-    n: int
+    num_seqs: int  # prompts x n: the sequences it adds to the engine
     timing: RequestTiming
-    num_finished: int = 0
     last_token_time: dict[int, float] = field(default_factory=dict)
     output_tokens: dict[int, int] = field(default_factory=dict)
 
@@ -97,9 +93,9 @@ _END = object()  # queue sentinel: every sample of the request has finished
 
 
 class RequestStream:
-    """Async iterator over one request's StepOutputs (all n samples, tagged by ``index``).
+    """Async iterator over one request's StepOutputs (every choice, tagged by ``index``).
 
-    Ends after the last sample's finishing output. Stopping early (``aclose``, cancellation,
+    Ends after the output marked ``request_finished``. Stopping early (``aclose``, cancellation,
     breaking out of ``async for`` followed by ``abort``) aborts the request in the engine.
     """
 
@@ -143,11 +139,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns an LLMEngine and the one thread that steps it. See the module docstring."""
+    """Owns a SyncEngine (an LLMEngine) and the one thread that steps it; implements
+    ``engine.client.EngineClient``. See the module docstring."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: SyncEngine,
         max_queued_requests: int = 256,
         stats_listener: RequestStatsListener | None = None,
     ) -> None:
@@ -156,9 +153,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.stats_listener = stats_listener
-        self.max_num_seqs = int(
-            getattr(getattr(engine, "scheduler_config", None), "max_num_seqs", 1)
-        )
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        self.max_num_seqs = engine.info.max_num_seqs
         self._inbox: collections.deque[tuple] = collections.deque()  # append/popleft are atomic
         self._wakeup = threading.Event()
         self._stop = False
@@ -199,18 +196,13 @@ class AsyncEngine:
 
     def _engine_problem(self) -> str | None:
         """What the engine itself reports (a dead tensor-parallel worker), or None."""
-        check = getattr(self.engine, "health_problem", None)
-        return check() if check is not None else None
+        return self.engine.health_problem()
 
     # -- the loop-thread API ------------------------------------------------------------------
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.info.max_model_len
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -221,41 +213,45 @@ class AsyncEngine:
         return self._stats
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompts: list[list[int]] | list[int], params: SamplingParams
     ) -> RequestStream:
-        """Validate and enqueue a request; raises at once (before anything streams):
-        ValueError for bad input, QueueFullError, EngineDeadError."""
+        """Validate and enqueue a request (one prompt's token ids, or a list of prompts, each
+        sampled ``params.n`` times); raises at once, before anything streams: ValueError for
+        bad input, QueueFullError, EngineDeadError."""
         if self._loop is None:
             raise EngineDeadError("the engine is not started")
         if not self.is_healthy:
             raise EngineDeadError(f"the engine has stopped ({self.dead_reason or 'shut down'})")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.validate_request(prompt_token_ids, params)
+        prompts = as_prompts(prompts)
+        self.engine.validate_request(prompts, params)
+        num_seqs = len(prompts) * params.n
         # Up to max_num_seqs sequences run; beyond that at most max_queued_requests wait.
-        waiting = max(0, self._num_seqs_in_flight + params.n - self.max_num_seqs)
+        waiting = max(0, self._num_seqs_in_flight + num_seqs - self.max_num_seqs)
         if waiting > self.max_queued_requests:
             raise QueueFullError(
                 f"the waiting queue is full ({self.max_queued_requests} requests); retry later"
             )
         now = time.monotonic()
+        num_prompt_tokens = sum(len(p) for p in prompts)
         state = _RequestState(
             queue=asyncio.Queue(),
-            n=params.n,
-            timing=RequestTiming(request_id, now, num_prompt_tokens=len(prompt_token_ids)),
+            num_seqs=num_seqs,
+            timing=RequestTiming(request_id, now, num_prompt_tokens=num_prompt_tokens),
         )
         self._requests[request_id] = state
-        self._num_seqs_in_flight += params.n
-        self._inbox.append(("add", request_id, list(prompt_token_ids), params, now))
+        self._num_seqs_in_flight += num_seqs
+        self._inbox.append(("add", request_id, prompts, params, now))
         self._wakeup.set()
         return RequestStream(self, request_id, state)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompts: list[list[int]] | list[int], params: SamplingParams
     ) -> AsyncIterator[StepOutput]:
         """Stream a request's outputs. Errors in the input raise on the first ``__anext__``;
         a consumer that stops early (GeneratorExit / CancelledError) aborts the request."""
-        stream = self.add_request(request_id, prompt_token_ids, params)
+        stream = self.add_request(request_id, prompts, params)
         try:
             async for out in stream:
                 yield out
@@ -267,7 +263,7 @@ class AsyncEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        self._num_seqs_in_flight -= state.n
+        self._num_seqs_in_flight -= state.num_seqs
         self._finish_timing(state, "abort")
         state.queue.put_nowait(_END)
         self._inbox.append(("abort", request_id))
@@ -282,14 +278,11 @@ class AsyncEngine:
                 continue
             self._record(state, out, now)
             state.queue.put_nowait(out)
-            if out.finished:
-                state.num_finished += 1
-                if state.num_finished >= state.n:
-                    del self._requests[out.request_id]
-                    self._num_seqs_in_flight -= state.n
-                    reason = "error" if out.finish_reason == "error" else out.finish_reason
-                    self._finish_timing(state, reason)
-                    state.queue.put_nowait(_END)
+            if out.request_finished:
+                del self._requests[out.request_id]
+                self._num_seqs_in_flight -= state.num_seqs
+                self._finish_timing(state, out.finish_reason)
+                state.queue.put_nowait(_END)
 
     def _record(self, state: _RequestState, out: StepOutput, now: float) -> None:
         timing = state.timing
@@ -329,7 +322,7 @@ class AsyncEngine:
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         state = self._requests.pop(request_id, None)
         if state is not None:
-            self._num_seqs_in_flight -= state.n
+            self._num_seqs_in_flight -= state.num_seqs
             self._finish_timing(state, "error")
             state.queue.put_nowait(error)
 
@@ -366,7 +359,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         # With worker processes, wake up now and then to notice one dying while idle.
-        poll = 0.5 if getattr(engine, "tp_driver", None) is not None else None
+        poll = 0.5 if engine.info.tensor_parallel_size > 1 else None
         try:
             while not self._stop:
                 self._wakeup.clear()
@@ -395,9 +388,7 @@ class AsyncEngine:
 
     def _close_engine(self) -> None:
         """Release what the engine holds outside this process (tensor-parallel workers)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                logger.exception("closing the engine failed")
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            logger.exception("closing the engine failed")

@@ -12,10 +12,9 @@ preempted.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.config import SchedulerConfig
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tinyserve.request import Request, RequestStatus
@@ -31,20 +30,17 @@ class Scheduler:
     when nothing is running, so a batch (gang) runs until all of it finishes.
     """
 
-    def __init__(
-        self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        kv_cache_manager: KVCacheManager,
-    ):
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Every unfinished request, waiting or running.
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Prompt tokens computed (a recompute after preemption counts again), tokens sampled.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
         # Ids that left since the last schedule(): reported in the next SchedulerOutput.
         self._finished_request_ids: list[str] = []
         # Failed in schedule() (can never fit the KV cache): returned by the next update.
@@ -123,17 +119,20 @@ class Scheduler:
         """
         changed = self._failed_in_schedule
         self._failed_in_schedule = []
+        self.generation_tokens_total += len(runner_output.sampled_token_ids)
         for item in scheduler_output.scheduled:
             request = item.request
             if self.requests.get(request.request_id) is not request or request.is_finished:
                 continue
+            done = request.num_computed_tokens
+            self.prompt_tokens_total += max(
+                0, min(done + item.num_new_tokens, request.num_prompt_tokens) - done
+            )
             request.num_computed_tokens += item.num_new_tokens
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue
             request.append_output_token(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
             status = check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
@@ -189,8 +188,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             kv.record_prefix_lookup(request, len(computed_blocks))
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+            if request.num_preemptions == 0:  # first admission (a recompute hits its own blocks)
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             scheduled.append(ScheduledRequest(request, num_new, block_ids))

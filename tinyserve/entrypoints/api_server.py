@@ -225,9 +225,8 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     """The FastAPI app around an AsyncEngine. The engine thread starts with the app's
     lifespan (on the server's event loop) and stops with it."""
     config = server_config or ServerConfig()
-    llm = async_engine.engine
-    source = getattr(llm, "source", None)
-    model_name = config.served_model_name or getattr(source, "name", None) or "tinyserve-model"
+    info = async_engine.info
+    model_name = config.served_model_name or info.model_name
     metrics = ServerMetrics(model_name)
     metrics.attach(async_engine)
 
@@ -239,8 +238,8 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
             model_name,
             config.host,
             config.port,
-            getattr(llm, "kv_capacity_tokens", "?"),
-            async_engine.max_model_len,
+            info.kv_capacity_tokens,
+            info.max_model_len,
         )
         yield
         async_engine.shutdown()
@@ -261,7 +260,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     app.state.metrics = metrics
     app.state.api_key = config.api_key
     app.state.max_request_bytes = config.max_request_bytes
-    app.state.model_root = str(getattr(source, "path", None) or model_name)
+    app.state.model_root = info.model_path or model_name
     api = _router()
     if config.metrics_require_key:
         _metrics_route(api)

@@ -87,7 +87,7 @@ def _is_torchrun_worker(ns: argparse.Namespace) -> bool:
     (which runs the command itself) and exit when it stops."""
     if getattr(ns, "tensor_parallel_size", 1) == 1:
         return False
-    from tinyserve.engine.llm_engine import worker_spec
+    from tinyserve.engine.executor import worker_spec
     from tinyserve.worker.tp_worker import run_torchrun_worker
 
     return run_torchrun_worker(worker_spec(EngineArgs.from_namespace(ns)))

@@ -14,8 +14,10 @@ PromptType = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+    """``LLM(model, **engine_args)``; or ``LLM(engine=...)`` over an engine already built."""
+
+    def __init__(self, model: str | None = None, engine: LLMEngine | None = None, **kwargs) -> None:
+        self.engine = engine if engine is not None else LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
     @property
@@ -113,10 +115,10 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(results), desc="generating", unit="prompt")
-        pending = {rid: r.outputs for rid, r in results.items()}
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                choice = results[out.request_id].outputs[out.index]
+                result = results[out.request_id]
+                choice = result.outputs[out.index]
                 choice.token_ids.extend(out.new_token_ids)
                 choice.text += out.text_delta
                 if choice.logprobs is not None:
@@ -124,11 +126,10 @@ class LLM:
                 if out.finished:
                     choice.finish_reason = out.finish_reason
                     choice.stop_reason = out.stop_reason
-                    result = results[out.request_id]
-                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-                    if all(c.finish_reason is not None for c in pending[out.request_id]):
-                        result.finished = True
-                        if bar is not None:
-                            bar.update(1)
+                if out.request_finished:
+                    result.finished = True
+                    result.num_cached_tokens = out.usage.cached_tokens if out.usage else 0
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()

@@ -16,7 +16,6 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tinyserve.engine.async_engine import EngineDeadError, QueueFullError
 from tinyserve.outputs import TokenLogprob
 
 
@@ -111,16 +110,6 @@ def bad_request(e: Exception | str, param: str | None = None) -> OpenAIError:
         m = _PARAM_RE.match(message)
         param = m.group(1) if m and m.group(1) in _PARAM_NAMES else None
     return OpenAIError(400, message, param=param, code="invalid_value")
-
-
-def engine_error(e: Exception) -> OpenAIError:
-    if isinstance(e, QueueFullError):
-        return OpenAIError(
-            429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
-        )
-    if isinstance(e, EngineDeadError):
-        return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
-    return OpenAIError(500, f"internal error: {e}", "internal_error", code="internal_error")
 
 
 # -- shared request fields ---------------------------------------------------------------------

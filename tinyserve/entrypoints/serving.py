@@ -1,43 +1,61 @@
 """OpenAI request handling: prompt -> token ids -> SamplingParams -> AsyncEngine -> responses.
 
 Chat prompts go through the tokenizer's chat template (with the assistant generation prompt);
-completion prompts may be text, token ids or lists of either (one engine request per prompt,
-choice index = prompt_index * n + sample_index, as OpenAI). Streams are ``data: {json}``
-events ending with ``data: [DONE]``; a failure after streaming began is sent as an
-``{"error": ...}`` event before ``[DONE]``.
+completion prompts may be text, token ids or lists of either (one engine request for all of
+them; the engine numbers the choices prompt_index * n + sample_index, as OpenAI). Templating
+and tokenising of large inputs run in a worker thread, so a megabyte prompt does not stall the
+other streams on the event loop. Streams are ``data: {json}`` events ending with
+``data: [DONE]``; a failure after streaming began is sent as an ``{"error": ...}`` event
+before ``[DONE]``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinyserve.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestStream,
-)
+from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream, QueueFullError
 from tinyserve.entrypoints import protocol as P
-from tinyserve.entrypoints.protocol import OpenAIError, bad_request, engine_error
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.streaming import (
-    Choice,
     collect,
+    engine_error,
     finish_reason_of,
-    merge,
+    outputs,
     sse,
     until_disconnect,
-    usage,
+    usage_info,
 )
 from tinyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Inputs larger than this (characters of text or message content) are templated and
+# tokenised in a worker thread instead of on the event loop.
+OFF_LOOP_CHARS = 16_384
+
+
+def _input_size(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_input_size(v) for v in value)
+    content = getattr(value, "content", None)
+    return _input_size(content) if content is not None else 0
+
+
+async def off_loop(size: int, fn: Callable, *args):
+    """``fn(*args)``, in a worker thread when the input is large."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 class OpenAIServing:
@@ -45,7 +63,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        async_engine: AsyncEngine,
+        async_engine: EngineClient,
         model_name: str,
         shutdown_grace_period: float = 30.0,
         log_requests: bool = False,
@@ -143,27 +161,15 @@ class OpenAIServing:
         if self.log_requests:
             logger.info("request %s: %s", request_id, req.model_dump_json(exclude_none=True))
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> OutputStream:
         try:
-            return self.engine.add_request(request_id, prompt_ids, params)
+            return self.engine.add_request(request_id, prompts, params)
         except ValueError as e:
             raise bad_request(e) from None
         except (QueueFullError, EngineDeadError) as e:
             raise engine_error(e) from None
-
-    def add_all(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
-    ) -> list[RequestStream]:
-        streams: list[RequestStream] = []
-        try:
-            for i, ids in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.add(rid, ids, params))
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        return streams
 
     # -- logprobs ------------------------------------------------------------------------------
 
@@ -192,17 +198,20 @@ class OpenAIServing:
             max_tokens=max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
-        prompt_ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        prompt_ids = await off_loop(
+            _input_size(req.messages),
+            self.chat_prompt_ids,
+            req.messages,
+            req.add_generation_prompt,
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._log_request(request_id, req)
-        streams = self.add_all(request_id, [prompt_ids], params)
+        stream = self.add(request_id, [prompt_ids], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse(
-                self._chat_stream(request_id, streams, params, len(prompt_ids), include_usage),
-                self.shutdown_grace_period,
-            )
-        choices = await until_disconnect(raw, collect(streams, params.n), streams)
+            events = self._chat_stream(request_id, stream, params, include_usage)
+            return sse(events, self.shutdown_grace_period)
+        choices, usage = await until_disconnect(raw, collect(stream), stream)
         result = P.ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
@@ -218,16 +227,15 @@ class OpenAIServing:
                 )
                 for i, c in enumerate(choices)
             ],
-            usage=usage(len(prompt_ids), choices),
+            usage=usage_info(usage),
         )
         return JSONResponse(P.dump(result))
 
     async def _chat_stream(
         self,
         request_id: str,
-        streams: list[RequestStream],
+        stream: OutputStream,
         params: SamplingParams,
-        num_prompt_tokens: int,
         include_usage: bool,
     ) -> AsyncIterator[dict[str, Any]]:
         created = int(time.time())
@@ -241,10 +249,9 @@ class OpenAIServing:
 
         for i in range(params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        choices = [Choice() for _ in range(params.n)]
-        async for _, out in merge(streams):
-            c = choices[out.index]
-            c.num_tokens += len(out.new_token_ids)
+        usage = None
+        async for out in outputs(stream):
+            usage = out.usage or usage
             fr = finish_reason_of(out)
             if not out.text_delta and fr is None and not out.logprobs:
                 continue  # the detokenizer held the text back (stop-string or UTF-8 boundary)
@@ -256,28 +263,35 @@ class OpenAIServing:
             delta = {"content": out.text_delta} if out.text_delta or fr is None else {}
             yield chunk(out.index, delta, lp, fr)
         if include_usage:
-            yield {**head, "choices": [], "usage": usage(num_prompt_tokens, choices).model_dump()}
+            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
 
     # -- completions ---------------------------------------------------------------------------
+
+    def _echo_texts(self, prompts: list[list[int]], echo: bool) -> list[str]:
+        return [self.tokenizer.decode(p) if echo else "" for p in prompts]
 
     async def completion(self, req: P.CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix: not supported", "suffix")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        prompts = self.completion_prompts(req.prompt)
+        size = _input_size(req.prompt) if isinstance(req.prompt, str | list) else 0
+        prompts = await off_loop(size, self.completion_prompts, req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._log_request(request_id, req)
-        streams = self.add_all(request_id, prompts, params)
-        num_prompt_tokens = sum(len(p) for p in prompts)
-        echo_texts = [self.tokenizer.decode(p) if req.echo else "" for p in prompts]
+        stream = self.add(request_id, prompts, params)  # validates the token ids
+        try:
+            echo_texts = await off_loop(size, self._echo_texts, prompts, req.echo)
+        except BaseException:
+            stream.abort()
+            raise
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = self._completion_stream(
-                request_id, streams, params, prompts, echo_texts, req.echo, include_usage
+                request_id, stream, params, prompts, echo_texts, req.echo, include_usage
             )
             return sse(gen, self.shutdown_grace_period)
-        choices = await until_disconnect(raw, collect(streams, params.n), streams)
+        choices, usage = await until_disconnect(raw, collect(stream), stream)
         result_choices = []
         for i, c in enumerate(choices):
             prompt_idx = i // params.n
@@ -298,14 +312,14 @@ class OpenAIServing:
             id=request_id,
             model=self.model_name,
             choices=result_choices,
-            usage=usage(num_prompt_tokens, choices),
+            usage=usage_info(usage),
         )
         return JSONResponse(P.dump(result))
 
     async def _completion_stream(
         self,
         request_id: str,
-        streams: list[RequestStream],
+        stream: OutputStream,
         params: SamplingParams,
         prompts: list[list[int]],
         echo_texts: list[str],
@@ -314,34 +328,26 @@ class OpenAIServing:
     ) -> AsyncIterator[dict[str, Any]]:
         head = {"id": request_id, "object": "text_completion", "created": int(time.time())}
         head["model"] = self.model_name
-        n = params.n
-        choices = [Choice() for _ in range(n * len(prompts))]
-        offsets = [0] * len(choices)
-        echoed = [not echo] * len(choices)
-        async for prompt_idx, out in merge(streams):
-            index = prompt_idx * n + out.index
-            c = choices[index]
-            c.num_tokens += len(out.new_token_ids)
+        offsets: dict[int, int] = {}  # choice index -> characters sent
+        usage = None
+        async for out in outputs(stream):
+            usage = out.usage or usage
             fr = finish_reason_of(out)
-            text = out.text_delta
-            echo_ids = None
-            if not echoed[index]:
-                echoed[index] = True
-                text = echo_texts[prompt_idx] + text
-                echo_ids = prompts[prompt_idx]
+            text, echo_ids = out.text_delta, None
+            if echo and out.index not in offsets:  # the choice's first event carries the echo
+                text = echo_texts[out.prompt_index] + text
+                echo_ids = prompts[out.prompt_index]
             if not text and fr is None and not out.logprobs:
                 continue
+            offset = offsets.get(out.index, 0)
             logprobs = None
             if params.logprobs is not None:
-                logprobs = P.completion_logprobs(
-                    out.logprobs, self.token_str, offsets[index], echo_ids
-                )
-            offsets[index] += len(text)
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": fr}
+                logprobs = P.completion_logprobs(out.logprobs, self.token_str, offset, echo_ids)
+            offsets[out.index] = offset + len(text)
+            choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": fr}
             yield {**head, "choices": [choice]}
         if include_usage:
-            num_prompt_tokens = sum(len(p) for p in prompts)
-            yield {**head, "choices": [], "usage": usage(num_prompt_tokens, choices).model_dump()}
+            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
 
     # -- tokenize ------------------------------------------------------------------------------
 
@@ -354,12 +360,12 @@ class OpenAIServing:
         else:
             ids = self.encode(req.prompt or "", req.add_special_tokens)
         return P.TokenizeResponse(
-            count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids
+            count=len(ids), max_model_len=self.engine.info.max_model_len, tokens=ids
         )
 
     def detokenize(self, req: P.DetokenizeRequest) -> P.DetokenizeResponse:
         self.check_model(req.model)
-        vocab = self.engine.engine.vocab_size
+        vocab = self.engine.info.vocab_size
         for t in req.tokens:
             if not 0 <= t < vocab:
                 raise bad_request(f"tokens: token id {t} is outside [0, {vocab})", "tokens")

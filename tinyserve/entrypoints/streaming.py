@@ -1,5 +1,6 @@
-"""Stream plumbing shared by chat and completions: merging the n/prompt sub-requests,
-collecting non-streamed results, watching for a client that goes away, and SSE framing
+"""Stream plumbing shared by chat and completions: reading one request's outputs (every
+choice, already indexed by the engine's output processor), collecting non-streamed results,
+watching for a client that goes away, mapping engine errors to HTTP statuses, and SSE framing
 (``data: {json}`` events, then ``data: [DONE]``)."""
 
 from __future__ import annotations
@@ -13,10 +14,26 @@ from typing import Any
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from tinyserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from tinyserve.engine.client import (
+    EngineDeadError,
+    OutputStream,
+    QueueFullError,
+    RequestFailedError,
+)
 from tinyserve.entrypoints import protocol as P
-from tinyserve.entrypoints.protocol import OpenAIError, engine_error
-from tinyserve.outputs import StepOutput, TokenLogprob
+from tinyserve.entrypoints.protocol import OpenAIError
+from tinyserve.outputs import StepOutput, TokenLogprob, Usage
+
+
+def engine_error(e: Exception) -> OpenAIError:
+    """The HTTP error for an error raised at the engine seam (engine/client.py)."""
+    if isinstance(e, QueueFullError):
+        return OpenAIError(
+            429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        )
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
+    return OpenAIError(500, f"internal error: {e}", "internal_error", code="internal_error")
 
 
 @dataclass
@@ -40,67 +57,40 @@ def finish_reason_of(out: StepOutput) -> str | None:
     return out.finish_reason
 
 
-def usage(num_prompt_tokens: int, choices: list[Choice]) -> P.UsageInfo:
-    completion = sum(c.num_tokens for c in choices)
+def usage_info(usage: Usage | None) -> P.UsageInfo:
+    usage = usage or Usage()
     return P.UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=num_prompt_tokens + completion,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
     )
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """Interleave several requests' outputs as they come, tagged with the stream's position.
-    Leaving early (error, disconnect) aborts every request still running."""
+async def outputs(stream: OutputStream) -> AsyncIterator[StepOutput]:
+    """A request's outputs as they come; leaving early (error, disconnect) aborts it."""
     try:
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            except Exception as e:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((i, e))
-            queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            live = len(streams)
-            while live:
-                i, item = await queue.get()
-                if item is None:
-                    live -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
+        async for out in stream:
+            yield out
     finally:
-        for s in streams:
-            s.abort()
+        stream.abort()
 
 
-async def collect(streams: list[RequestStream], n: int) -> list[Choice]:
-    choices = [Choice() for _ in range(n * len(streams))]
-    async for prompt_idx, out in merge(streams):
-        c = choices[prompt_idx * n + out.index]
+async def collect(stream: OutputStream) -> tuple[list[Choice], Usage | None]:
+    """A non-streamed request: every choice in index order, and the request's usage."""
+    choices: dict[int, Choice] = {}
+    usage = None
+    async for out in outputs(stream):
+        c = choices.setdefault(out.index, Choice())
         c.finish_reason = finish_reason_of(out)
         c.text += out.text_delta
         c.num_tokens += len(out.new_token_ids)
         c.logprobs.extend(out.logprobs)
         c.stop_reason = out.stop_reason
-    return choices
+        usage = out.usage or usage
+    return [choices[i] for i in sorted(choices)], usage
 
 
-async def until_disconnect(
-    raw: Request, work: Awaitable[list[Choice]], streams: list[RequestStream]
-) -> list[Choice]:
+async def until_disconnect(raw: Request, work: Awaitable, stream: OutputStream):
     """Run a non-streamed request, aborting it if the client goes away meanwhile."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(raw))
@@ -110,8 +100,7 @@ async def until_disconnect(
         watcher.cancel()
     if not task.done():
         task.cancel()
-        for s in streams:
-            s.abort()
+        stream.abort()
         raise OpenAIError(499, "client disconnected", "client_closed_request")
     try:
         return task.result()

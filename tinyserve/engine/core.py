@@ -1,0 +1,102 @@
+"""EngineCore: the scheduler and an executor. ``step()`` is schedule -> execute -> update.
+
+Not thread-safe: one thread drives it (through ``LLMEngine``). Health checks and recovery
+from a failed forward live in ``_check_health`` and ``_execute``, around the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tinyserve.config import SchedulerConfig
+from tinyserve.engine.arg_utils import EngineArgs
+from tinyserve.engine.client import EngineStats
+from tinyserve.engine.executor import Executor
+from tinyserve.engine.kv_cache_manager import KVCacheManager
+from tinyserve.engine.scheduler import Scheduler
+from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput
+from tinyserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One step: the requests that got a token or finished, and what the runner sampled."""
+
+    requests: list[Request] = field(default_factory=list)
+    runner_output: ModelRunnerOutput = field(default_factory=ModelRunnerOutput)
+
+
+class EngineCore:
+    def __init__(self, executor: Executor, args: EngineArgs) -> None:
+        self.executor = executor
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=executor.max_model_len,
+            policy=args.scheduling_policy,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            executor.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+
+    def add_requests(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.scheduler.add_request(req)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, status)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> EngineCoreOutput:
+        self._check_health()
+        scheduler_output = self.scheduler.schedule()
+        runner_output, failed = self._execute(scheduler_output)
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutput(failed + changed, runner_output)
+
+    def _check_health(self) -> None:
+        if (problem := self.executor.health_problem()) is not None:
+            from tinyserve.worker.tp_worker import WorkerDiedError
+
+            raise WorkerDiedError(problem)
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[Request]]:
+        """Run the step. A forward that raises fails only this step's requests (returned, as
+        FINISHED_ERROR), not the engine — except with tensor parallel, where the ranks may be
+        out of step and the group cannot go on."""
+        try:
+            return self.executor.execute(sched), []
+        except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine
+            if self.executor.distributed:
+                raise
+            logger.exception("step failed; failing its %d requests", len(sched.scheduled))
+            failed = [item.request for item in sched.scheduled]
+            for req in failed:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                req.error = f"internal error: {type(e).__name__}: {e}"
+            # Blocks hashed for this step may never have been written: drop every hash.
+            self.kv_cache_manager.reset_prefix_cache()
+            return ModelRunnerOutput(), failed
+
+    def stats(self) -> EngineStats:
+        kv, sched = self.kv_cache_manager, self.scheduler
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            prompt_tokens_total=sched.prompt_tokens_total,
+            generation_tokens_total=sched.generation_tokens_total,
+        )

@@ -1,0 +1,207 @@
+"""OutputProcessor: per-request output state, from the engine's Requests to StepOutputs. No torch.
+
+It owns everything a client sees of a request beyond its token ids:
+
+* the fan-out: one engine request is one or more prompts times ``n`` samples; each is a
+  child ``Request`` with its choice index (``prompt_index * n + sample``, OpenAI's order),
+  grouped under one ``ParentRequest`` that knows when the last child has finished;
+* the incremental detokenizer and stop strings of each child (the scheduler decides EOS,
+  stop token ids and length; a stop string is found here and handed back to the caller,
+  who has the scheduler finish the request: ``Request.status`` has one owner);
+* usage: prompt tokens (each prompt once, whatever ``n``), completion tokens, cached tokens.
+
+The server, the streaming layer and the offline ``LLM`` read ``StepOutput.index``,
+``prompt_index``, ``request_finished`` and ``usage`` and compute no indices of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tinyserve.engine.detokenizer import IncrementalDetokenizer
+from tinyserve.outputs import ModelRunnerOutput, StepOutput, Usage
+from tinyserve.request import Request, RequestStatus
+from tinyserve.sampling_params import SamplingParams
+
+
+def as_prompts(prompt: list[int] | list[list[int]]) -> list[list[int]]:
+    """One prompt (token ids) or several (a list of token-id lists) -> a list of prompts."""
+    if prompt and all(isinstance(p, list | tuple) for p in prompt):
+        return [list(p) for p in prompt]  # type: ignore[arg-type]
+    return [list(prompt)]  # type: ignore[arg-type]
+
+
+def child_seed(seed: int | None, sample: int) -> int | None:
+    """Sample ``sample`` of an n>1 request draws from seed + sample, wrapped into int64 (a seed
+    near 2**63 - 1 is valid input; its children's seeds must be too)."""
+    if seed is None:
+        return None
+    return (seed + sample + 2**63) % 2**64 - 2**63
+
+
+def child_ids(request_id: str, num_children: int) -> list[str]:
+    """The engine ids of a request's children: the request's own id when it has one child."""
+    if num_children == 1:
+        return [request_id]
+    return [f"{request_id}#{k}" for k in range(num_children)]
+
+
+@dataclass
+class ParentRequest:
+    """One engine request: its children (choice order) and its running usage."""
+
+    request_id: str
+    n: int
+    live: set[str]
+    usage: Usage
+    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return not self.live
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[StepOutput]
+    # Children whose stop string was found this step while still running: the caller has the
+    # scheduler finish them (FINISHED_STOPPED), which frees their blocks.
+    stop_string_ids: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def add_request(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[Request]:
+        """Build every child of a request (all or nothing: a bad one raises ValueError before
+        any state is kept) and register the parent. Returns the children to schedule."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        ids = child_ids(request_id, len(prompts) * params.n)
+        if taken := [rid for rid in ids if rid in self._parent_of]:
+            raise ValueError(f"request id {taken[0]!r} is already in the engine")
+        usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+        parent = ParentRequest(request_id, params.n, set(ids), usage)
+        children = []
+        for k, rid in enumerate(ids):
+            prompt, sample = prompts[k // params.n], k % params.n
+            child_params = params
+            if params.n > 1:
+                child_params = dataclasses.replace(
+                    params, n=1, seed=child_seed(params.seed, sample)
+                )
+            req = Request(
+                request_id=rid,
+                prompt_token_ids=list(prompt),
+                sampling_params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                arrival_time=arrival_time,
+                parent_id=request_id,
+                index=k,
+            )
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
+                parent.detokenizers[rid] = detok
+            children.append(req)
+        self.parents[request_id] = parent
+        self._parent_of.update(dict.fromkeys(ids, parent))
+        return children
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns the ids of its children still live in the engine."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for rid in parent.live:
+            del self._parent_of[rid]
+        return sorted(parent.live)
+
+    def process(self, requests: list[Request], runner_out: ModelRunnerOutput) -> ProcessedOutputs:
+        """One StepOutput for each request that got a token or finished this step."""
+        result = ProcessedOutputs([], [])
+        for req in requests:
+            parent = self._parent_of.get(req.request_id)
+            if parent is None:  # aborted meanwhile
+                continue
+            if req.status == RequestStatus.FINISHED_ERROR:
+                out = self._error_output(parent, req)
+            else:
+                out = self._token_output(parent, req, runner_out, result.stop_string_ids)
+            if out.finish_reason is not None:
+                self._finish_child(parent, req.request_id, out)
+            result.outputs.append(out)
+        return result
+
+    def _token_output(
+        self, parent: ParentRequest, req: Request, runner_out: ModelRunnerOutput, stops: list[str]
+    ) -> StepOutput:
+        rid = req.request_id
+        token = runner_out.sampled_token_ids.get(rid)
+        new_ids = [token] if token is not None else []
+        finish_reason = req.status.finish_reason if req.is_finished else None
+        stop_reason = req.stop_reason
+        text_delta = ""
+        detok = parent.detokenizers.get(rid)
+        if detok is not None:
+            text_delta, stop_str = detok.update(new_ids, finished=req.is_finished)
+            if stop_str is not None:
+                if not req.is_finished:
+                    stops.append(rid)
+                finish_reason, stop_reason = "stop", stop_str
+        lp = runner_out.logprobs.get(rid)
+        parent.usage.completion_tokens += len(new_ids)
+        parent.usage.cached_tokens = max(parent.usage.cached_tokens, req.num_cached_tokens)
+        return StepOutput(
+            request_id=parent.request_id,
+            index=req.index,
+            prompt_index=req.index // parent.n,
+            new_token_ids=new_ids,
+            text_delta=text_delta,
+            finish_reason=finish_reason,
+            logprobs=[lp] if lp is not None else [],
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            stop_reason=stop_reason,
+        )
+
+    @staticmethod
+    def _error_output(parent: ParentRequest, req: Request) -> StepOutput:
+        return StepOutput(
+            request_id=parent.request_id,
+            index=req.index,
+            prompt_index=req.index // parent.n,
+            new_token_ids=[],
+            text_delta="",
+            finish_reason="error",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            error=req.error or "internal error",
+        )
+
+    def _finish_child(self, parent: ParentRequest, rid: str, out: StepOutput) -> None:
+        """Drop a finished child's state; the parent goes with its last child, whose output
+        carries the request's usage and ``request_finished``."""
+        parent.live.discard(rid)
+        parent.detokenizers.pop(rid, None)
+        self._parent_of.pop(rid, None)
+        if parent.finished:
+            del self.parents[parent.request_id]
+            out.request_finished = True
+            out.usage = parent.usage

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,12 +28,14 @@ from machine import machine_info  # noqa: E402
 def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tinyserve.utils.cache import cache_dir
+
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
         "--model",
-        default=os.path.expanduser("~/.cache/tinyserve/models/SmolLM2-135M-Instruct-hf-bf16"),
+        default=str(cache_dir() / "models" / "SmolLM2-135M-Instruct-hf-bf16"),
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batches", default="8,32")

@@ -1,15 +1,21 @@
 """Frozen configuration objects, one per concern, validated on construction.
 
-No torch here: the scheduler and the KV-cache manager import this module.
+``ModelConfig`` is built here from either checkpoint format: a Hugging Face ``config.json``
+dict (``from_hf_config``) or GGUF metadata (``from_gguf_metadata``).
+
+No torch or numpy here: the scheduler and the KV-cache manager import this module.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# HF ``model_type`` / GGUF ``general.architecture`` -> architecture.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -84,7 +90,7 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type") or "")
         if arch is None:
             raise ValueError(
                 "config.json names no architecture (no 'architectures' and an unknown "
@@ -127,9 +133,50 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
 
-
-def _arch_from_model_type(model_type: str | None) -> str | None:
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(model_type or "")
+    @classmethod
+    def from_gguf_metadata(
+        cls, fields: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], where: str
+    ) -> ModelConfig:
+        """Build from a GGUF file's metadata ``fields`` and its tensor table (name -> shape);
+        ``where`` (the file) prefixes the error when a model dimension is missing."""
+        a = fields.get("general.architecture")
+        try:
+            hidden = int(fields.get(f"{a}.embedding_length"))
+            num_heads = int(fields.get(f"{a}.attention.head_count"))
+            num_layers = int(fields.get(f"{a}.block_count"))
+            intermediate = int(fields.get(f"{a}.feed_forward_length"))
+        except TypeError as e:
+            raise ValueError(f"{where}: GGUF metadata lacks a model dimension ({e})") from e
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = fields.get(f"{a}.vocab_size") or (len(tokens) if tokens else None)
+        if vocab is None:
+            vocab = tensor_shapes["token_embd.weight"][0]
+        head_dim = int(fields.get(f"{a}.attention.key_length") or hidden // num_heads)
+        rope_scaling = None
+        if fields.get(f"{a}.rope.scaling.type") == "linear":
+            rope_scaling = {
+                "rope_type": "linear",
+                "factor": float(fields.get(f"{a}.rope.scaling.factor")),
+            }
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=MODEL_TYPES[a],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(fields.get(f"{a}.attention.head_count_kv") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(fields.get(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(fields.get(f"{a}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_shapes,
+            attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")

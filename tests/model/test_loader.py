@@ -285,7 +285,7 @@ def write_llama_gguf(hf, path, qtypes: dict[str, str], arch: str = "llama", rope
 
 
 def _our_weight(model, hf_name: str) -> torch.Tensor:
-    from tinyserve.models.loader import map_checkpoint_name
+    from tinyserve.models.weights import map_checkpoint_name
 
     target, shard = map_checkpoint_name(hf_name)
     if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:

@@ -180,15 +180,8 @@ class LLMEngine:
     def close(self) -> None:
         """Release the tensor-parallel workers (they exit) and the process group. Idempotent;
         a no-op without tensor parallel."""
-        driver = self.tp_driver
-        if driver is None or driver.closed:
-            return
-        if driver.health_problem() is None:
-            try:  # the workers wait for a step (or, mid-start-up, the block count): None ends them
-                driver.group.broadcast(None)
-            except Exception:  # noqa: BLE001 - a broken group: the workers die with it
-                logger.warning("could not stop the tensor-parallel workers cleanly")
-        driver.close()
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown(timeout=10.0)
 
     def _resolve_max_model_len(self, requested: int | None, capacity: int) -> int:
         model_max = self.model_config.max_position_embeddings

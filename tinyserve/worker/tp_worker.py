@@ -105,10 +105,10 @@ class TPDriver:
     close = shutdown
 
     def _reap(self, deadline: float) -> None:
-        """Let the spawned workers exit until ``deadline`` (less two seconds), then terminate,
+        """Let the spawned workers exit until ``deadline`` (less 2.5 s), then terminate,
         then kill, those still alive, a second each."""
         for p in self.processes:
-            p.join(max(0.0, deadline - time.monotonic() - 2.0))
+            p.join(max(0.0, deadline - time.monotonic() - 2.5))
         for stop in ("terminate", "kill"):
             alive = [p for p in self.processes if p.is_alive()]
             for p in alive:

@@ -73,9 +73,10 @@ def matmul_floor_ms(model, batch: int, iters: int, dtype: torch.dtype) -> float:
 
 def kernel_floor_ms(model, batch: int, iters: int) -> float:
     """The same products through the model's own linear layers and their methods (the CPU
-    kernel on the packed weights), as decode rows (so --decode-activations int8 applies)."""
+    kernel on the packed weights), as decode rows (so --decode-activations int8 applies),
+    on activations in the model's dtype (what its forward gives them)."""
     layers = list(model.linear_layers().values())
-    xs = {m.weight.shape[1]: torch.randn(batch, m.weight.shape[1]) for m in layers}
+    xs = {k: torch.randn(batch, k, dtype=model.dtype) for k in (m.weight.shape[1] for m in layers)}
 
     def run():
         for m in layers:

@@ -73,6 +73,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
     )
+    _add_kernel_args(parser, d)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over N processes / devices (torch.distributed; see docs/scaling.md)",
+    )
+
+
+def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
+    """The CPU kernel path's flags."""
     parser.add_argument(
         "--cpu-kernels",
         "--gguf-kernels",
@@ -103,11 +115,4 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.fused_step,
         help="on the CPU kernel path, run every decoder layer in one C call (kernels/step.c; "
         "bitwise the same as the per-layer Python loop, which --no-fused-step keeps)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=d.tensor_parallel_size,
-        help="split the model over N processes / devices (torch.distributed; see docs/scaling.md)",
     )

@@ -12,12 +12,13 @@ but /health, and /metrics unless ``--metrics-require-key``. Bodies over ``--max-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hmac
 import logging
 import os
+import signal
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -351,14 +352,18 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die
-    of the signal; once the drain is done we exit normally (status 0) instead."""
+    """On SIGTERM/SIGINT, drain and then return from ``run()``, so the command exits 0.
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
+    uvicorn's own ``handle_exit`` also records the signal and re-raises it once the graceful
+    shutdown is over (the process would die of it). This one, installed by uvicorn as the
+    handler of the same signals, only sets the public ``should_exit`` / ``force_exit`` flags
+    as uvicorn's does (a second Ctrl+C forces the exit), and touches no private state."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
 
 def run_server(ns: argparse.Namespace) -> int:

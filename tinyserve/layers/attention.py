@@ -90,22 +90,81 @@ class AttentionMetadata:
         ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``. ``use_kernel``: build the
         block-table kernel's inputs instead of the torch path's masks. The first
         ``num_decode_seqs`` sequences are decoding (their new tokens were generated)."""
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError(
-                "query_lens, seq_lens and block_tables must have one entry per sequence"
-            )
-        if not 0 <= num_decode_seqs <= len(query_lens):
-            raise ValueError(f"num_decode_seqs {num_decode_seqs} of {len(query_lens)} sequences")
-        query_start_loc = [0]
-        for ql, sl, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            if ql < 1 or sl < ql:
-                raise ValueError(f"bad sequence: query_len={ql}, seq_len={sl}")
-            if len(table) * block_size < sl:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {sl} tokens")
-            query_start_loc.append(query_start_loc[-1] + ql)
+        query_start_loc = _query_start_loc(
+            query_lens, seq_lens, block_tables, block_size, num_decode_seqs
+        )
         # Everything below is tensor ops over the whole step: no per-token Python loop.
+        steps = _StepTensors.build(query_lens, seq_lens, block_tables, block_size, query_start_loc)
+        num_decode_tokens = query_start_loc[num_decode_seqs]
+        if use_kernel:
+            kernel = KernelInputs(
+                torch.tensor(query_start_loc, dtype=torch.int64),
+                steps.s_lens,
+                steps.seq_of_token,
+                steps.tables.to(torch.int32),
+            )
+            return cls(steps.slot_mapping, query_start_loc, list(seq_lens), block_tables,
+                       block_size, [], kernel, num_decode_tokens)  # fmt: skip
+        groups = [
+            _build_group(
+                steps.q_lens[idx],
+                steps.s_lens[idx],
+                steps.starts[idx],
+                steps.tables[idx],
+                block_size,
+                device,
+                dtype,
+            )
+            for idx in _decode_then_prefill_rows(query_lens)
+        ]
+        return cls(
+            steps.slot_mapping.to(device),
+            query_start_loc,
+            list(seq_lens),
+            block_tables,
+            block_size,
+            groups,
+            num_decode_tokens=num_decode_tokens,
+        )
+
+
+def _query_start_loc(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_decode_seqs: int,
+) -> list[int]:
+    """The first flat row of each sequence (and the total), once the inputs are checked."""
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    if not 0 <= num_decode_seqs <= len(query_lens):
+        raise ValueError(f"num_decode_seqs {num_decode_seqs} of {len(query_lens)} sequences")
+    query_start_loc = [0]
+    for ql, sl, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        if ql < 1 or sl < ql:
+            raise ValueError(f"bad sequence: query_len={ql}, seq_len={sl}")
+        if len(table) * block_size < sl:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {sl} tokens")
+        query_start_loc.append(query_start_loc[-1] + ql)
+    return query_start_loc
+
+
+@dataclass
+class _StepTensors:
+    """The step's per-sequence lengths and block tables as tensors, and each token's slot."""
+
+    tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0 (masked out)
+    q_lens: torch.Tensor  # [num_seqs]
+    s_lens: torch.Tensor  # [num_seqs]
+    starts: torch.Tensor  # [num_seqs] first flat row of each sequence
+    seq_of_token: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+
+    @classmethod
+    def build(cls, query_lens, seq_lens, block_tables, block_size, query_start_loc):
         max_blocks = max(-(-sl // block_size) for sl in seq_lens)
-        tables = torch.tensor(  # [num_seqs, max_blocks], padded with block 0 (masked out)
+        tables = torch.tensor(
             [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables],
             dtype=torch.int64,
         )
@@ -121,40 +180,17 @@ class AttentionMetadata:
         slot_mapping = (
             tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         )
-        groups = []
-        if use_kernel:
-            kernel = KernelInputs(
-                torch.tensor(query_start_loc, dtype=torch.int64),
-                s_lens,
-                seq_of_token,
-                tables.to(torch.int32),
-            )
-            return cls(slot_mapping, query_start_loc, list(seq_lens), block_tables, block_size,
-                       groups, kernel, query_start_loc[num_decode_seqs])  # fmt: skip
-        for is_decode in (True, False):
-            rows = [i for i, ql in enumerate(query_lens) if (ql == 1) == is_decode]
-            if rows:
-                idx = torch.tensor(rows, dtype=torch.int64)
-                groups.append(
-                    _build_group(
-                        q_lens[idx],
-                        s_lens[idx],
-                        starts[idx],
-                        tables[idx],
-                        block_size,
-                        device,
-                        dtype,
-                    )
-                )
-        return cls(
-            slot_mapping.to(device),
-            query_start_loc,
-            list(seq_lens),
-            block_tables,
-            block_size,
-            groups,
-            num_decode_tokens=query_start_loc[num_decode_seqs],
-        )
+        return cls(tables, q_lens, s_lens, starts, seq_of_token, slot_mapping)
+
+
+def _decode_then_prefill_rows(query_lens: list[int]) -> list[torch.Tensor]:
+    """The torch path's groups: the single-token rows, then the others (each if any)."""
+    groups = []
+    for is_decode in (True, False):
+        rows = [i for i, ql in enumerate(query_lens) if (ql == 1) == is_decode]
+        if rows:
+            groups.append(torch.tensor(rows, dtype=torch.int64))
+    return groups
 
 
 def _build_group(

@@ -81,44 +81,9 @@ class SamplingMetadata:
         if not rows:
             raise ValueError("SamplingMetadata.build needs at least one row")
         V = vocab_size
-        temperature, top_p, top_k, min_p = [], [], [], []
-        rep, freq, pres = [], [], []
-        bias_rows, bias_toks, bias_vals = [], [], []
-        mask_rows, mask_toks = [], []
-        prompts: list[list[int]] = []
-        outputs: list[list[int]] = []
-        generators: dict[int, torch.Generator] = {}
-        max_num_logprobs: int | None = None
-
+        c = _Columns()
         for i, row in enumerate(rows):
-            p = row.params
-            is_greedy = p.temperature == 0.0
-            temperature.append(float(p.temperature))
-            top_p.append(1.0 if is_greedy else float(p.top_p))
-            top_k.append(V if is_greedy or p.top_k <= 0 else min(int(p.top_k), V))
-            min_p.append(0.0 if is_greedy else float(p.min_p))
-            rep.append(float(p.repetition_penalty))
-            freq.append(float(p.frequency_penalty))
-            pres.append(float(p.presence_penalty))
-            uses_rep = p.repetition_penalty != 1.0
-            uses_output = uses_rep or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            prompts.append(row.prompt_token_ids if uses_rep else [])
-            outputs.append(row.output_token_ids if uses_output else [])
-            for tok, val in (p.logit_bias or {}).items():
-                bias_rows.append(i)
-                bias_toks.append(int(tok))
-                bias_vals.append(float(val))
-            if len(row.output_token_ids) < p.min_tokens:
-                stop = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop.update(row.eos_token_ids)
-                for tok in sorted(stop):
-                    mask_rows.append(i)
-                    mask_toks.append(tok)
-            if not is_greedy and row.generator is not None:
-                generators[i] = row.generator
-            if p.logprobs is not None:
-                max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
+            c.add(i, row, V)
 
         def f32(xs: list[float]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.float32, device=device)
@@ -126,30 +91,76 @@ class SamplingMetadata:
         def i64(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.int64, device=device)
 
-        no_penalties = all(r == 1.0 for r in rep) and not any(freq) and not any(pres)
+        no_penalties = all(r == 1.0 for r in c.rep) and not any(c.freq) and not any(c.pres)
         return cls(
-            temperature=f32(temperature),
-            top_p=f32(top_p),
-            top_k=i64(top_k),
-            min_p=f32(min_p),
-            repetition_penalty=f32(rep),
-            frequency_penalty=f32(freq),
-            presence_penalty=f32(pres),
-            all_greedy=all(t == 0.0 for t in temperature),
-            all_random=all(t != 0.0 for t in temperature),
+            temperature=f32(c.temperature),
+            top_p=f32(c.top_p),
+            top_k=i64(c.top_k),
+            min_p=f32(c.min_p),
+            repetition_penalty=f32(c.rep),
+            frequency_penalty=f32(c.freq),
+            presence_penalty=f32(c.pres),
+            all_greedy=all(t == 0.0 for t in c.temperature),
+            all_random=all(t != 0.0 for t in c.temperature),
             no_penalties=no_penalties,
-            no_top_k=all(k == V for k in top_k),
-            no_top_p=all(p == 1.0 for p in top_p),
-            no_min_p=not any(min_p),
+            no_top_k=all(k == V for k in c.top_k),
+            no_top_p=all(p == 1.0 for p in c.top_p),
+            no_min_p=not any(c.min_p),
             vocab_size=V,
-            logit_bias=(i64(bias_rows), i64(bias_toks), f32(bias_vals)) if bias_rows else None,
-            min_tokens_mask=(i64(mask_rows), i64(mask_toks)) if mask_rows else None,
-            prompt_token_ids=None if no_penalties else _pad(prompts, V, device),
-            output_token_ids=None if no_penalties else _pad(outputs, V, device),
-            generators=generators,
-            seeded_rows=i64(list(generators)) if generators else None,
-            max_num_logprobs=max_num_logprobs,
+            logit_bias=(i64(c.bias_rows), i64(c.bias_toks), f32(c.bias_vals))
+            if c.bias_rows
+            else None,
+            min_tokens_mask=(i64(c.mask_rows), i64(c.mask_toks)) if c.mask_rows else None,
+            prompt_token_ids=None if no_penalties else _pad(c.prompts, V, device),
+            output_token_ids=None if no_penalties else _pad(c.outputs, V, device),
+            generators=c.generators,
+            seeded_rows=i64(list(c.generators)) if c.generators else None,
+            max_num_logprobs=c.max_num_logprobs,
         )
+
+
+class _Columns:
+    """:meth:`SamplingMetadata.build`'s per-row values as Python lists, one row at a time."""
+
+    def __init__(self) -> None:
+        self.temperature, self.top_p, self.top_k, self.min_p = [], [], [], []
+        self.rep, self.freq, self.pres = [], [], []
+        self.bias_rows, self.bias_toks, self.bias_vals = [], [], []
+        self.mask_rows, self.mask_toks = [], []
+        self.prompts: list[list[int]] = []
+        self.outputs: list[list[int]] = []
+        self.generators: dict[int, torch.Generator] = {}
+        self.max_num_logprobs: int | None = None
+
+    def add(self, i: int, row: SamplingRow, V: int) -> None:
+        p = row.params
+        is_greedy = p.temperature == 0.0
+        self.temperature.append(float(p.temperature))
+        self.top_p.append(1.0 if is_greedy else float(p.top_p))
+        self.top_k.append(V if is_greedy or p.top_k <= 0 else min(int(p.top_k), V))
+        self.min_p.append(0.0 if is_greedy else float(p.min_p))
+        self.rep.append(float(p.repetition_penalty))
+        self.freq.append(float(p.frequency_penalty))
+        self.pres.append(float(p.presence_penalty))
+        uses_rep = p.repetition_penalty != 1.0
+        uses_output = uses_rep or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        self.prompts.append(row.prompt_token_ids if uses_rep else [])
+        self.outputs.append(row.output_token_ids if uses_output else [])
+        for tok, val in (p.logit_bias or {}).items():
+            self.bias_rows.append(i)
+            self.bias_toks.append(int(tok))
+            self.bias_vals.append(float(val))
+        if len(row.output_token_ids) < p.min_tokens:
+            stop = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop.update(row.eos_token_ids)
+            for tok in sorted(stop):
+                self.mask_rows.append(i)
+                self.mask_toks.append(tok)
+        if not is_greedy and row.generator is not None:
+            self.generators[i] = row.generator
+        if p.logprobs is not None:
+            self.max_num_logprobs = max(self.max_num_logprobs or 0, p.logprobs)
 
 
 def _pad(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -81,16 +83,54 @@ class TPDriver:
                 )
         return None
 
-    def close(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the other ranks and release the group in about ``timeout`` seconds at most,
+        even when a failed step left them inside a collective (where a plain broadcast or
+        join would wait for the group's 300 s timeout). Idempotent."""
         if self.closed:
             return
         self.closed = True
+        deadline = time.monotonic() + timeout
+        # The workers wait for a step (or, mid-start-up, the block count): None ends them.
+        # Out of step after a failed step they never take it, so the wait is bounded.
+        stopped = self.health_problem() is None and _bounded(
+            self.group.broadcast, None, wait=0.3 * timeout
+        )
+        if not stopped:
+            logger.warning("tensor-parallel workers did not take the stop: ending them")
+        self._reap(deadline if stopped else time.monotonic())
+        if not _bounded(self.group.destroy, wait=max(0.5, deadline - time.monotonic())):
+            logger.warning("could not destroy the tensor-parallel process group in time")
+
+    close = shutdown
+
+    def _reap(self, deadline: float) -> None:
+        """Let the spawned workers exit until ``deadline`` (less 2.5 s), then terminate,
+        then kill, those still alive, a second each."""
         for p in self.processes:
-            p.join(timeout)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout)
-        self.group.destroy()
+            p.join(max(0.0, deadline - time.monotonic() - 2.5))
+        for stop in ("terminate", "kill"):
+            alive = [p for p in self.processes if p.is_alive()]
+            for p in alive:
+                getattr(p, stop)()
+            for p in alive:
+                p.join(1.0)
+
+
+def _bounded(fn, *args, wait: float) -> bool:
+    """Run ``fn(*args)`` in a daemon thread and wait at most ``wait`` seconds: True when it
+    returned (an exception counts as returned, and is logged), False when it is still stuck."""
+
+    def target() -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a broken group: the workers are reaped anyway
+            logger.warning("tensor-parallel shutdown: %s failed", fn.__name__, exc_info=True)
+
+    thread = threading.Thread(target=target, name="tinyserve-tp-shutdown", daemon=True)
+    thread.start()
+    thread.join(wait)
+    return not thread.is_alive()
 
 
 def _free_port() -> int:

@@ -30,7 +30,6 @@ import asyncio
 import json
 import random
 import secrets
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
+
+from tinyserve.testing.sse import aiter_data  # noqa: E402
+from tinyserve.testing.stats import summary as stats_summary  # noqa: E402
 
 _WORDS = (
     "the quick brown fox jumps over lazy dog river mountain city light shadow music paper "
@@ -171,11 +173,8 @@ async def _one(client: httpx.AsyncClient, args, model: str, req: BenchRequest) -
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for data in aiter_data(resp.aiter_lines()):
+                if data.strip() == "[DONE]":
                     break
                 chunk = json.loads(data)
                 usage = chunk.get("usage")
@@ -208,14 +207,6 @@ async def _one(client: httpx.AsyncClient, args, model: str, req: BenchRequest) -
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
-
-
-def _stats(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": None, "median": None, "p99": None}
-    s = sorted(xs)
-    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
-    return {"mean": statistics.fmean(s), "median": statistics.median(s), "p99": p99}
 
 
 def _salt_arg(value: str | None) -> str:
@@ -296,10 +287,10 @@ async def run_benchmark(args) -> dict:
         "token_count_source": source,
         # prompt tokens the server says it served from its prefix cache (None: not reported)
         "cached_prompt_tokens": sum(cached) if cached else None,
-        "ttft_s": _stats([r.ttft for r in good]),
-        "tpot_s": _stats(tpots),
-        "itl_s": _stats([x for r in good for x in r.itl]),
-        "e2e_s": _stats([r.e2e for r in good]),
+        "ttft_s": stats_summary([r.ttft for r in good]),
+        "tpot_s": stats_summary(tpots),
+        "itl_s": stats_summary([x for r in good for x in r.itl]),
+        "e2e_s": stats_summary([r.e2e for r in good]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": machine_info(),
     }

@@ -23,7 +23,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
-from soak import free_port  # noqa: E402
+
+from tinyserve.testing.server import free_port  # noqa: E402
 
 
 def time_to_healthy(cache: Path, timeout: float = 120.0) -> float:

@@ -27,28 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
 
+from tinyserve.testing.checkpoints import smollm2_shaped  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def build_shaped_model(dest: Path) -> Path:
-    """SmolLM2's shape with 8 heads of 72 and 4 KV heads (random weights, no tokenizer)."""
-    if (dest / "config.json").exists():
-        return dest
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(dest)
-    return dest
 
 
 def measure(model: str, tp: int, batch1_tokens: int, batch16_tokens: int) -> dict:
@@ -141,7 +122,7 @@ def allreduce_latency_us(size: int, hidden: int) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ar.json")
-        from soak import free_port
+        from tinyserve.testing.server import free_port
 
         init = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(_allreduce_rank, args=(size, init, hidden, out), nprocs=size)
@@ -160,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinyserve.utils.cache import cache_dir
 
     smol = str(ensure_default_model(progress=False))
-    shaped = str(build_shaped_model(cache_dir() / "models" / "bench-smollm2-shape-8-heads"))
+    shaped = str(smollm2_shaped(cache_dir() / "models" / "bench-smollm2-shape-8-heads"))
     configs = [("SmolLM2-135M (GGUF, 9 heads / 3 KV)", smol, 3), ("SmolLM2-shaped random Llama (8 heads / 4 KV)", shaped, 2)]  # fmt: skip
     hidden, layers = 576, 30
     result: dict = {

@@ -27,14 +27,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "reliability.md"
 
 # The fault and security tests whose outcomes the document lists (file -> what they prove).
-# (One pytest run per file: the engine and server tests import helpers from their own
+# (One pytest run per file: the engine and entrypoints tests import helpers from their own
 # conftest by name, which only works when one directory's conftest is loaded.)
 FAULT_TESTS = {
     "tests/engine/test_engine_robustness.py": "random aborts, an exception inside a step",
-    "tests/server/test_http_errors.py": "auth, 413, 429, 503, one failing request, logs",
-    "tests/server/test_async_engine_thread.py": "the engine thread: aborts, queue bound, death",
-    "tests/server/test_concurrency.py": "client disconnects free their blocks",
-    "tests/server/test_serve_cli.py": "SIGTERM drain and grace period, real subprocess",
+    "tests/entrypoints/test_http_errors.py": "auth, 413, 429, 503, one failing request, logs",
+    "tests/entrypoints/test_async_engine_thread.py": "the engine thread: aborts, queue bound, death",
+    "tests/entrypoints/test_concurrency.py": "client disconnects free their blocks",
+    "tests/entrypoints/test_serve_cli.py": "SIGTERM drain and grace period, real subprocess",
 }
 
 
@@ -91,7 +91,7 @@ def render(soak: dict, fuzz: dict, faults: dict) -> str:
         "are in `benchmarks/results/soak.json`, `fuzz.json` and `reliability_tests.json`. "
         f"Soak run {soak['date']}, fuzz run {fuzz['date']}; machine: {platform.machine()}, "
         "2 vCPUs, no GPU. The suite runs smaller versions of the same code "
-        "(tests/soak/, tests/server/test_fuzz.py) on every CI run.",
+        "(tests/reliability/) on every CI run.",
         "",
         "## Soak (`benchmarks/soak.py`)",
         "",

@@ -3,14 +3,7 @@ folder by scripts/fetch_default_model.sh (CI does this before the tests)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-# benchmarks/soak.py and benchmarks/fuzz.py hold the soak, overload and fuzz drivers; the
-# tests run them smaller, so the figures in docs/reliability.md and the suite share one code.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.fixture(scope="session")

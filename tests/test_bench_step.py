@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,23 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_model_with_tokenizer(smollm2_gguf_path, tmp_path_factory) -> Path:
     """2 random layers, SmolLM2's tokenizer (the script builds engines that load one)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
     from tinyserve.models.default_model import tokenizer_dir_for
+    from tinyserve.testing.checkpoints import build_fuzz_model
 
-    tok_dir = tokenizer_dir_for(smollm2_gguf_path)
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    heads = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config = LlamaConfig(
-        vocab_size=len(AutoTokenizer.from_pretrained(str(tok_dir))), **shape, **heads
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("bench_step_model")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+    dest = tmp_path_factory.mktemp("bench_step") / "model"
+    return build_fuzz_model(dest, tokenizer_dir_for(smollm2_gguf_path))
 
 
 @pytest.mark.slow

@@ -8,15 +8,22 @@ import re
 import pytest
 import torch
 import torch.multiprocessing as mp
-from paged_runner import PagedRunner
-from soak import free_port
-from tiny_models import LLAMA3_ROPE, build_hf, llama_config, qwen2_config, random_tokens, save_hf
 from tp_ranks import teacher_forced_logits
 
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.entrypoints.llm import LLM
 from tinyserve.models.loader import load_model
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.testing.checkpoints import (
+    LLAMA3_ROPE,
+    build_hf,
+    llama_config,
+    qwen2_config,
+    random_tokens,
+    save_hf,
+)
+from tinyserve.testing.paged_runner import PagedRunner
+from tinyserve.testing.server import free_port
 
 pytestmark = pytest.mark.slow
 

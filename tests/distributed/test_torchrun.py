@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from fuzz import build_fuzz_model
 
 from tinyserve.models.default_model import tokenizer_dir_for
+from tinyserve.testing.checkpoints import build_fuzz_model
 
 
 @pytest.mark.slow

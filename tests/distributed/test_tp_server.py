@@ -10,10 +10,11 @@ import time
 import httpx
 import psutil
 import pytest
-from fuzz import build_fuzz_model
-from soak import start_server
 
 from tinyserve.models.default_model import tokenizer_dir_for
+from tinyserve.testing.checkpoints import build_fuzz_model
+from tinyserve.testing.server import start_server
+from tinyserve.testing.sse import iter_data
 
 
 @pytest.mark.slow
@@ -41,7 +42,7 @@ def test_tp2_server_streams_and_reports_a_dead_worker(smollm2_gguf_path, tmp_pat
         url = server.base_url + "/v1/chat/completions"
         with httpx.stream("POST", url, json=body, timeout=60) as r:
             assert r.status_code == 200
-            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            data = list(iter_data(r.iter_lines()))
         assert data[-1] == "[DONE]"
         chunks = [json.loads(d) for d in data[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] == 12

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch.distributed
-from tiny_models import build_hf, llama_config, random_tokens, save_hf
 
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.testing.checkpoints import build_hf, llama_config, random_tokens, save_hf
 
 pytestmark = pytest.mark.slow
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from paged_runner import PagedRunner
 
 from tinyserve.distributed.parallel_state import init_tp_group
 from tinyserve.models.loader import load_model
+from tinyserve.testing.paged_runner import PagedRunner
 
 
 def teacher_forced_logits(rank, size, init_method, model_path, tokens, prompt_len, out_path):

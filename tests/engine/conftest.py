@@ -90,28 +90,9 @@ def smol_path(smollm2_gguf_path) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory) -> str:
     """A tiny random Qwen2 (q/k/v bias, GQA, untied head) written by transformers."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from tinyserve.testing.checkpoints import engine_qwen2
 
-    config = Qwen2Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-        # Larger than the default 0.02: peaked logits, so greedy never sits on a near-tie.
-        initializer_range=0.5,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(20240501)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    hf.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return str(engine_qwen2(tmp_path_factory.mktemp("tiny_qwen2")))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 models/llama.py's kernel path calls ~8 kernels per layer from Python; at one decode stream
 those ~240 ctypes round trips and their tensor allocations cost milliseconds a step. step.c
 makes the same calls with the same arguments in the same order, so its results are bitwise
-those of the Python path (tests/model/test_cpu_kernels.py), and the Python path stays the
+those of the Python path (tests/kernels/test_cpu_kernels.py), and the Python path stays the
 readable reference. Built once per model by :func:`build_plan` (None where any layer is off
 the kernels: torch methods, tensor parallel, shapes the kernels do not serve).
 """

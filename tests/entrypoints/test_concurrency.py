@@ -8,7 +8,10 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL, wait_until
+from conftest import MODEL
+
+from tinyserve.testing.server import wait_until
+from tinyserve.testing.sse import aiter_data, iter_data
 
 MAX_TOKENS = 8
 
@@ -22,10 +25,10 @@ async def _one_stream(client: httpx.AsyncClient, i: int) -> tuple[int, int, str]
     tokens, usage, finish = 0, None, None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in aiter_data(r.aiter_lines()):
+            if data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             if chunk["choices"]:
                 choice = chunk["choices"][0]
                 tokens += len(choice["logprobs"]["tokens"])
@@ -61,11 +64,10 @@ def test_disconnect_after_3_chunks_aborts_and_frees_blocks(server, client, path)
         body["prompt"] = "Once upon a time"
     with client.stream("POST", path, json=body) as r:
         seen = []
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                seen.append(line)
-                if len(seen) == 3:
-                    break
+        for data in iter_data(r.iter_lines()):
+            seen.append(data)
+            if len(seen) == 3:
+                break
         assert server.async_engine.stats().num_running == 1, seen
     t0 = time.monotonic()
     assert wait_until(lambda: _pool_is_whole(server), timeout=2.0), server.async_engine.stats()

@@ -10,10 +10,10 @@ import random
 
 import pytest
 import torch
-from paged_runner import PagedRunner
 
 from tinyserve.kernels import attention, gemm
 from tinyserve.models.loader import load_model
+from tinyserve.testing.paged_runner import PagedRunner
 
 pytestmark = [
     pytest.mark.slow,

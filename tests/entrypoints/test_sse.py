@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from conftest import MODEL, sse_events
+from conftest import MODEL
+
+from tinyserve.testing.sse import sse_events
 
 
 def _stream(client, path: str, body: dict) -> list[str]:

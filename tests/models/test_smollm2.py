@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_runner import PagedRunner, greedy_generate
+
+from tinyserve.testing.paged_runner import PagedRunner, greedy_generate
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
 
 from tinyserve.entrypoints.api_server import server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
+from tinyserve.testing.server import start_server
+from tinyserve.testing.sse import iter_data
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -77,28 +78,13 @@ def test_readme_curl_command(server):
 
 @pytest.mark.slow
 def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
-    port = free_port()
     exe = Path(sys.executable).parent / "tinyserve"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tinyserve.entrypoints.cli"]
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [*cmd, "serve", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TINYSERVE_API_KEY": ""},
+    server = start_server(
+        [], tmp_path / "serve.log", command=cmd, env={**os.environ, "TINYSERVE_API_KEY": ""}
     )
-    base = f"http://127.0.0.1:{port}"
+    proc, base = server.proc, server.base_url
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
         r = httpx.post(
             base + "/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8},
@@ -115,15 +101,14 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        lines: list[str] = []
+        events: list[str] = []
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                    if len(lines) == 2:
-                        proc.send_signal(signal.SIGTERM)
-        assert lines[-1] == "data: [DONE]"
-        usage = [json.loads(x[6:]) for x in lines[:-1] if '"usage":{' in x]
+            for data in iter_data(resp.iter_lines()):
+                events.append(data)
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]"
+        usage = [json.loads(x) for x in events[:-1] if '"usage":{' in x]
         assert usage and usage[-1]["usage"]["completion_tokens"] == 24
         assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
     finally:
@@ -134,8 +119,8 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    text = (tmp_path / "serve.log").read_text()
-    assert f"http://127.0.0.1:{port}" in text and "SmolLM2-135M-Instruct" in text
+    text = server.log()
+    assert base in text and "SmolLM2-135M-Instruct" in text
     assert "tokens" in text and re.search(r"request chatcmpl-\w+ finished", text)
 
 
@@ -143,8 +128,6 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
 def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     smollm2_gguf_path, tmp_path
 ):
-    from soak import start_server
-
     grace = 2.0
     server = start_server(
         ["--model", str(smollm2_gguf_path), "--shutdown-timeout", str(grace)],
@@ -155,8 +138,8 @@ def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     try:
         try:
             with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    events += line.startswith("data: ")
+                for _ in iter_data(r.iter_lines()):
+                    events += 1
                     if events == 2 and t_signal is None:
                         server.proc.send_signal(signal.SIGTERM)
                         t_signal = time.monotonic()

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import torch
-from tiny_models import build_hf, llama_config, save_hf
 
 from tinyserve.kernels import gemm
+from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
 from tinyserve.worker import autotune
 
 

@@ -9,8 +9,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from paged_runner import PagedRunner
-from tiny_models import (
+
+from tinyserve.models.loader import load_model
+from tinyserve.testing.checkpoints import (
     LLAMA3_ROPE,
     build_hf,
     hf_logits,
@@ -18,8 +19,7 @@ from tiny_models import (
     random_tokens,
     save_hf,
 )
-
-from tinyserve.models.loader import load_model
+from tinyserve.testing.paged_runner import PagedRunner
 
 TOKENS = random_tokens(24, seed=3)
 

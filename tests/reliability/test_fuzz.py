@@ -5,21 +5,21 @@ over a tiny random Llama with SmolLM2's tokenizer, so valid requests are cheap."
 from __future__ import annotations
 
 import pytest
-from conftest import serve, wait_until
-from fuzz import (
-    MAX_MODEL_LEN,
-    MAX_REQUEST_BYTES,
-    build_fuzz_model,
-    fuzz_failures,
-    run_hostile,
-    run_schemathesis,
-)
 
 from tinyserve.config import ServerConfig
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.models.default_model import tokenizer_dir_for
+from tinyserve.testing.checkpoints import build_fuzz_model
+from tinyserve.testing.fuzz import (
+    MAX_MODEL_LEN,
+    MAX_REQUEST_BYTES,
+    fuzz_failures,
+    run_hostile,
+    run_schemathesis,
+)
+from tinyserve.testing.server import serve, wait_until
 
 
 @pytest.fixture(scope="module")

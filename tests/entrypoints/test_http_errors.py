@@ -8,10 +8,12 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL, sse_events, wait_until
+from conftest import MODEL
 
 from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
+from tinyserve.testing.server import wait_until
+from tinyserve.testing.sse import iter_data, sse_events
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -215,7 +217,7 @@ def test_dead_engine_is_503(fake_server):
             t0 = time.monotonic()
             dead = wait_until(lambda: httpx.get(s.url("/health")).status_code == 503, 1.0)
             assert dead and time.monotonic() - t0 < 1.0  # within a second of the thread dying
-            rest = [line[6:] for line in lines if line.startswith("data: ")]
+            rest = list(iter_data(lines))
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == "engine_dead"
         assert_error(httpx.get(s.url("/health")), 503)

@@ -9,8 +9,9 @@ import json
 
 import pytest
 import torch
-from paged_runner import PagedRunner
-from tiny_models import (
+
+from tinyserve.models.loader import load_model
+from tinyserve.testing.checkpoints import (
     LLAMA3_ROPE,
     VOCAB,
     build_hf,
@@ -20,8 +21,7 @@ from tiny_models import (
     random_tokens,
     save_hf,
 )
-
-from tinyserve.models.loader import load_model
+from tinyserve.testing.paged_runner import PagedRunner
 
 PROMPT_LEN = 20
 DECODE_STEPS = 20

@@ -14,13 +14,13 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
-from paged_runner import PagedRunner
 
 from tinyserve.kernels import attention as attention_kernel
 from tinyserve.kernels import build, gemm
 from tinyserve.layers.attention import reference_paged_attention
 from tinyserve.layers.linear import PackedMethod
 from tinyserve.models.loader import load_model
+from tinyserve.testing.paged_runner import PagedRunner
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
@@ -297,7 +297,7 @@ def test_int8_quantization_of_a_float_checkpoint_stays_within_its_bound(tmp_path
     becomes int8 with per-channel scales; logits stay within 5% of the logit range of the
     float32 model (measured 1.8% on this random tiny Llama, whose weights are all of one
     scale; per weight the bound is s/2, tested above), through prefill and decode."""
-    from tiny_models import build_hf, llama_config, save_hf
+    from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
 
     path = save_hf(build_hf(llama_config()), tmp_path / "llama")
     fp32, _ = load_model(path, torch.float32, "cpu")
@@ -366,7 +366,7 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, arch):
     """kernels/step.c runs every layer in one call with the same kernels as llama.py's
     loop: the same numbers to the bit, for prefill chunks, decode rows and their mix (a tiny
     Llama, and a Qwen2 whose q/k/v bias step.c adds itself)."""
-    from tiny_models import build_hf, llama_config, qwen2_config, save_hf
+    from tinyserve.testing.checkpoints import build_hf, llama_config, qwen2_config, save_hf
 
     cfg = llama_config() if arch == "llama" else qwen2_config()
     path = save_hf(build_hf(cfg), tmp_path / arch)
@@ -393,7 +393,7 @@ def test_smollm2_one_c_call_equals_the_python_loop_with_int8_decode(smollm2_gguf
 
 
 def test_no_c_step_without_the_kernels(tmp_path):
-    from tiny_models import build_hf, llama_config, save_hf
+    from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
 
     path = save_hf(build_hf(llama_config()), tmp_path / "llama")
     net, _ = load_model(path, torch.float32, "cpu", cpu_kernels=False)

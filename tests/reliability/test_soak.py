@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import pytest
-from soak import (
+
+from tinyserve.testing.server import start_server
+from tinyserve.testing.soak import (
     SoakConfig,
     overload_failures,
     run_overload,
     run_soak,
     soak_failures,
-    start_server,
 )
 
 

@@ -182,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             engine.executor.model, b, max(3, args.steps // 5), torch.bfloat16
         )
         kfloor = kernel_floor_ms(engine.executor.model, b, args.steps)
-        int8_floor = kernel_floor_ms(engines["kernels+int8-decode"].model, b, args.steps)
+        int8_floor = kernel_floor_ms(engines["kernels+int8-decode"].executor.model, b, args.steps)
         for name, eng in engines.items():
             row = step_anatomy(eng, b, args.steps)
             row["path"] = name
             row["cpu_kernels"] = name != "torch"
-            row["dtype"] = str(eng.dtype)
+            row["dtype"] = str(eng.executor.dtype)
             row["matmul_floor_ms"] = floor
             row["bf16_matmul_floor_ms"] = bf16_floor
             row["kernel_floor_ms"] = kfloor

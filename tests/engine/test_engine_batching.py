@@ -182,3 +182,36 @@ def test_tiny_qwen2_policies_match_alone(tiny_qwen2_path, tiny_alone, policy):
     else:
         assert joins > 0  # iteration-level: a finished slot is refilled at once
     assert max(len(new | old) for new, old in trace) <= 4  # max_num_seqs
+
+
+def test_several_prompts_in_one_request_sample_as_separate_requests(tiny_qwen2_path):
+    """One engine request holding two prompts x n=2 (a completions call with a prompt list)
+    gives each choice the tokens the same prompt gets as its own request; choices are
+    numbered prompt_index * n + sample and the request finishes once, with its usage."""
+    from conftest import assert_no_leaks, drain, random_prompt, tiny_engine
+
+    from tinyserve.engine.client import SyncEngine
+    from tinyserve.sampling_params import SamplingParams
+
+    params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)
+    prompts = [random_prompt(7, seed=1), random_prompt(11, seed=2)]
+    together = tiny_engine(tiny_qwen2_path)
+    assert isinstance(together, SyncEngine)
+    together.add_request("both", prompts, params)
+    outs = []
+    while together.has_unfinished():
+        outs += together.step()
+    got = {}
+    for o in outs:
+        got.setdefault(o.index, []).extend(o.new_token_ids)
+        assert o.prompt_index == o.index // 2
+    assert [o.request_finished for o in outs].count(True) == 1 and outs[-1].request_finished
+    assert outs[-1].usage.prompt_tokens == 18 and outs[-1].usage.completion_tokens == 24
+    assert_no_leaks(together)
+
+    alone = tiny_engine(tiny_qwen2_path)
+    for i, p in enumerate(prompts):
+        alone.add_request(f"p{i}", p, params)
+    ref = drain(alone).choices
+    expected = {2 * i + j: ref[f"p{i}"][j].token_ids for i in range(2) for j in range(2)}
+    assert got == expected

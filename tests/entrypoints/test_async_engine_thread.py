@@ -46,6 +46,31 @@ def test_n_samples_share_one_stream():
     assert len(outs) == 6
 
 
+def test_several_prompts_are_one_request_with_one_stream():
+    async def main():
+        engine = await _started(FakeEngine())
+        params = SamplingParams(n=2, max_tokens=2)
+        outs = [o async for o in engine.generate("r", [[1, 2], [3, 4, 5]], params)]
+        in_flight = engine.num_requests_in_flight
+        engine.shutdown()
+        return outs, in_flight
+
+    outs, in_flight = run(main())
+    assert sorted(o.index for o in outs if o.finished) == [0, 1, 2, 3]
+    assert [o.request_finished for o in outs].count(True) == 1 and outs[-1].request_finished
+    assert (outs[-1].usage.prompt_tokens, outs[-1].usage.completion_tokens) == (5, 8)
+    assert in_flight == 0
+
+
+def test_the_seams_are_typed():
+    from tinyserve.engine.client import EngineClient, SyncEngine
+
+    fake = FakeEngine()
+    assert isinstance(fake, SyncEngine)
+    assert isinstance(AsyncEngine(fake), EngineClient)
+    assert not isinstance(object(), SyncEngine)
+
+
 def test_validation_error_raises_before_streaming():
     async def main():
         fake = FakeEngine(max_model_len=64)

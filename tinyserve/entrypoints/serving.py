@@ -294,15 +294,14 @@ class OpenAIServing:
         choices, usage = await until_disconnect(raw, collect(stream), stream)
         result_choices = []
         for i, c in enumerate(choices):
-            prompt_idx = i // params.n
             logprobs = None
             if params.logprobs is not None:
-                echo_ids = prompts[prompt_idx] if req.echo else None
+                echo_ids = prompts[c.prompt_index] if req.echo else None
                 logprobs = P.completion_logprobs(c.logprobs, self.token_str, 0, echo_ids)
             result_choices.append(
                 P.CompletionChoice(
                     index=i,
-                    text=echo_texts[prompt_idx] + c.text,
+                    text=echo_texts[c.prompt_index] + c.text,
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,

@@ -41,6 +41,7 @@ class Choice:
     """What one choice has produced so far."""
 
     text: str = ""
+    prompt_index: int = 0
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -80,7 +81,7 @@ async def collect(stream: OutputStream) -> tuple[list[Choice], Usage | None]:
     choices: dict[int, Choice] = {}
     usage = None
     async for out in outputs(stream):
-        c = choices.setdefault(out.index, Choice())
+        c = choices.setdefault(out.index, Choice(prompt_index=out.prompt_index))
         c.finish_reason = finish_reason_of(out)
         c.text += out.text_delta
         c.num_tokens += len(out.new_token_ids)

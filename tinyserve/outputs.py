@@ -31,6 +31,11 @@ class SchedulerOutput:
     # Requests that left the engine since the last step (finished or aborted): the runner
     # drops any per-request state it keeps (e.g. seeded generators).
     finished_request_ids: list[str] = field(default_factory=list)
+    # Constrained decoding: allowed-token bitmask (int32 [rows, ceil(V/32)]) of the requests
+    # that sample this step under a grammar, and each one's row in it. Filled by the engine
+    # core after schedule(); applied by the sampler before any other logits stage.
+    grammar_bitmask: object | None = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

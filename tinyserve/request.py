@@ -70,6 +70,9 @@ class Request:
     parent_id: str | None = None
     index: int = 0
     error: str | None = None
+    # Constrained decoding: the request's grammar matcher (structured/backend.py Matcher),
+    # advanced by the scheduler with every token it appends.
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

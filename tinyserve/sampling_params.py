@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -9,6 +10,61 @@ _MAX_STOP_STRINGS = 64
 _MAX_STOP_STRING_LEN = 512
 _MAX_N = 16
 _MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regex, one of several
+    strings, or a grammar (vLLM's ``structured_outputs``). Exactly one mode."""
+
+    json: str | dict | None = None  # a JSON schema (dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark / EBNF, as the grammar library reads it
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        modes = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            modes.append("json_object")
+        if len(modes) != 1:
+            raise ValueError(
+                "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                f"json_object (got {', '.join(modes) or 'none'})"
+            )
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs: json must be a JSON schema object")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs: choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    @property
+    def value(self) -> str | None:
+        """The mode's value as text: a schema or a choice list as canonical JSON."""
+        kind = self.kind
+        if kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return json.dumps(list(self.choice or []))
+        return getattr(self, kind) if kind != "json_object" else None
 
 
 @dataclass
@@ -38,6 +94,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

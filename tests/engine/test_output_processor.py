@@ -127,4 +127,4 @@ def test_engine_core_step_is_schedule_execute_update():
         for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(EngineCore.step))))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
     ]
-    assert calls == ["_check_health", "schedule", "_execute", "update_from_output"]
+    assert calls == ["_check_health", "schedule", "fill_bitmask", "_execute", "update_from_output"]

@@ -94,6 +94,9 @@ class FakeEngine:
     def health_problem(self) -> str | None:
         return None
 
+    def compile_grammar(self, params: SamplingParams):
+        return None
+
     def close(self) -> None:
         pass
 

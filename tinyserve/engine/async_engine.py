@@ -24,13 +24,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from tinyserve.engine.client import (
     EngineDeadError,
     EngineStats,
     QueueFullError,
     RequestFailedError,
+    RequestStatsListener,
+    RequestTiming,
     SyncEngine,
 )
 from tinyserve.engine.output_processor import as_prompts
@@ -40,42 +41,6 @@ from tinyserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError"]
-
-
-@dataclass
-class RequestTiming:
-    """Per-request timing (``time.monotonic()`` seconds), for metrics and the finish log."""
-
-    request_id: str
-    arrival_time: float
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    finish_reason: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def e2e(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
-
-
-class RequestStatsListener(Protocol):
-    """Receives timing events on the event-loop thread (the metrics module implements it)."""
-
-    def observe_ttft(self, seconds: float) -> None: ...
-
-    def observe_inter_token_latency(self, seconds: float) -> None: ...
-
-    def observe_finished(self, timing: RequestTiming) -> None: ...
 
 
 @dataclass
@@ -211,6 +176,13 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step boundary (a snapshot; safe from any thread)."""
         return self._stats
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Await what must happen before a request is added, off the loop and the engine
+        thread: compiling a constrained request's grammar (ValueError for a bad spec)."""
+        future = self.engine.compile_grammar(params)
+        if future is not None:
+            await asyncio.wrap_future(future)
 
     def add_request(
         self, request_id: str, prompts: list[list[int]] | list[int], params: SamplingParams

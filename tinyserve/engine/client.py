@@ -13,6 +13,7 @@ The HTTP layer maps exactly these errors to statuses: ``ValueError`` (bad input)
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,6 +60,42 @@ class EngineInfo:
     tensor_parallel_size: int = 1
 
 
+@dataclass
+class RequestTiming:
+    """Per-request timing (``time.monotonic()`` seconds), for metrics and the finish log."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+class RequestStatsListener(Protocol):
+    """Receives timing events on the event-loop thread (the metrics module implements it)."""
+
+    def observe_ttft(self, seconds: float) -> None: ...
+
+    def observe_inter_token_latency(self, seconds: float) -> None: ...
+
+    def observe_finished(self, timing: RequestTiming) -> None: ...
+
+
 @runtime_checkable
 class SyncEngine(Protocol):
     """The synchronous engine one thread steps (``LLMEngine``, or a fake in the tests)."""
@@ -78,6 +115,8 @@ class SyncEngine(Protocol):
     ) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
+
+    def compile_grammar(self, params: SamplingParams) -> Future | None: ...
 
     def has_unfinished(self) -> bool: ...
 
@@ -110,6 +149,8 @@ class EngineClient(Protocol):
 
     @property
     def dead_reason(self) -> str | None: ...
+
+    async def prepare(self, params: SamplingParams) -> None: ...
 
     def add_request(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams

@@ -15,6 +15,7 @@ from tinyserve.engine.client import EngineStats
 from tinyserve.engine.executor import Executor
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.engine.scheduler import Scheduler
+from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyserve.request import Request, RequestStatus
 
@@ -30,8 +31,14 @@ class EngineCoreOutput:
 
 
 class EngineCore:
-    def __init__(self, executor: Executor, args: EngineArgs) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        args: EngineArgs,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.executor = executor
+        self.structured = structured
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -58,6 +65,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutput:
         self._check_health()
         scheduler_output = self.scheduler.schedule()
+        if self.structured is not None:
+            self.structured.fill_bitmask(scheduler_output)
         runner_output, failed = self._execute(scheduler_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutput(failed + changed, runner_output)

@@ -16,6 +16,7 @@ from tinyserve.engine.client import EngineInfo, EngineStats
 from tinyserve.engine.core import EngineCore
 from tinyserve.engine.executor import Executor
 from tinyserve.engine.output_processor import OutputProcessor, as_prompts
+from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.outputs import StepOutput
 from tinyserve.request import RequestStatus
 from tinyserve.sampling_params import SamplingParams
@@ -44,7 +45,10 @@ class LLMEngine:
 
                 tokenizer = load_tokenizer(self.executor.source) if args.load_tokenizer else None
             self.tokenizer = tokenizer
-            self.core = EngineCore(self.executor, args)
+            self.structured = StructuredOutputManager(
+                tokenizer, self.executor.model_config.vocab_size
+            )
+            self.core = EngineCore(self.executor, args, self.structured)
         except BaseException:
             self.executor.close()
             raise
@@ -108,6 +112,7 @@ class LLMEngine:
             self._validate_length(len(prompt), params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this engine has none")
+        self.structured.validate(params)
 
     def _validate_token_ids(self, prompt: list[int]) -> None:
         if not prompt:
@@ -144,7 +149,9 @@ class LLMEngine:
         if not validated:
             self.validate_request(prompts, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
+        grammar = self.structured.compiled(params)  # before any state: all or nothing
         children = self.output_processor.add_request(request_id, prompts, params, now)
+        self.structured.attach(grammar, children)
         self.core.add_requests(children)
 
     def abort(self, request_id: str) -> bool:
@@ -152,6 +159,11 @@ class LLMEngine:
         live = self.output_processor.abort(request_id)
         self.core.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         return bool(live)
+
+    def compile_grammar(self, params: SamplingParams):
+        """Start compiling a constrained request's grammar in the compile pool (thread-safe):
+        a Future, or None when the request is unconstrained."""
+        return self.structured.submit(params)
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

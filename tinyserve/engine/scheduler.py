@@ -133,6 +133,11 @@ class Scheduler:
             if token_id is None:
                 continue
             request.append_output_token(token_id)
+            if request.grammar is not None and not request.grammar.accept_tokens([token_id]):
+                request.error = f"the grammar rejected token {token_id}"
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                changed.append(request)
+                continue
             status = check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
@@ -231,6 +236,8 @@ def check_stop(request: Request, token_id: int) -> RequestStatus | None:
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
+    if request.grammar is not None and request.grammar.is_terminated():
+        return RequestStatus.FINISHED_STOPPED  # the grammar is complete (its EOS included)
     if (
         request.num_output_tokens >= request.max_tokens
         or request.num_tokens >= request.max_model_len

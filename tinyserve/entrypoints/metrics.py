@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tinyserve.engine.async_engine import AsyncEngine, RequestTiming
+from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.engine.client import RequestTiming
 
 PREFIX = "tinyserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -125,6 +125,30 @@ def _range(description: str | None = None, **bounds: float) -> dict[str, Any]:
     return {"description": description, "json_schema_extra": bounds}
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs`` body extension: exactly one mode."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by chat and completions; None means "the default"."""
 
@@ -149,6 +173,8 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, **_range(minimum=0))
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -33,7 +33,7 @@ from tinyserve.entrypoints.streaming import (
     until_disconnect,
     usage_info,
 )
-from tinyserve.sampling_params import SamplingParams
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class OpenAIServing:
             "min_tokens": req.min_tokens,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
+            "structured_outputs": self.structured_outputs(req),
             **extra,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
@@ -157,14 +158,42 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise bad_request(e) from None
 
+    @staticmethod
+    def structured_outputs(req: P._SamplingFields) -> StructuredOutputsParams | None:
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both."""
+        fmt, so = req.response_format, req.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise bad_request(
+                "structured_outputs: give response_format or structured_outputs, not both",
+                "structured_outputs",
+            )
+        try:
+            if so is not None:
+                return StructuredOutputsParams(
+                    json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                    json_object=so.json_object,
+                )  # fmt: skip
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format: json_schema needs json_schema.schema")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as e:
+            param = "structured_outputs" if so is not None else "response_format"
+            raise bad_request(e, param) from None
+
     def _log_request(self, request_id: str, req) -> None:
         if self.log_requests:
             logger.info("request %s: %s", request_id, req.model_dump_json(exclude_none=True))
 
-    def add(
+    async def add(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> OutputStream:
+        """Prepare (compile a grammar, off the loop) and add a request; errors map to HTTP."""
         try:
+            await self.engine.prepare(params)
             return self.engine.add_request(request_id, prompts, params)
         except ValueError as e:
             raise bad_request(e) from None
@@ -206,7 +235,7 @@ class OpenAIServing:
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._log_request(request_id, req)
-        stream = self.add(request_id, [prompt_ids], params)
+        stream = await self.add(request_id, [prompt_ids], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._chat_stream(request_id, stream, params, include_usage)
@@ -279,7 +308,7 @@ class OpenAIServing:
         prompts = await off_loop(size, self.completion_prompts, req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._log_request(request_id, req)
-        stream = self.add(request_id, prompts, params)  # validates the token ids
+        stream = await self.add(request_id, prompts, params)  # validates the token ids
         try:
             echo_texts = await off_loop(size, self._echo_texts, prompts, req.echo)
         except BaseException:

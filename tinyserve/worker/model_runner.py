@@ -99,6 +99,7 @@ class ModelRunner:
                 output_token_ids=req.output_token_ids,
                 generator=self._generator(req),
                 eos_token_ids=req.eos_token_ids,
+                grammar_bitmask=_grammar_row(sched, req.request_id),
             )
             for req in sampling
         ]
@@ -168,3 +169,9 @@ class ModelRunner:
 def _decodes(item) -> bool:
     """The scheduled item computes generated tokens only (its prompt is all computed)."""
     return item.request.num_computed_tokens >= item.request.num_prompt_tokens
+
+
+def _grammar_row(sched: SchedulerOutput, request_id: str) -> torch.Tensor | None:
+    """The request's allowed-token bitmask row this step (constrained decoding), or None."""
+    row = sched.grammar_rows.get(request_id)
+    return None if row is None else sched.grammar_bitmask[row]

@@ -11,7 +11,8 @@ Contract with the model runner:
 - Logprobs are those of the RAW model logits (before bias, penalties, temperature), as vLLM
   returns by default.
 
-Stage order (vLLM's): logit_bias -> min_tokens -> repetition / frequency / presence penalties
+Stage order (vLLM's): grammar bitmask (constrained rows; logprobs are then those of the masked
+distribution) -> logit_bias -> min_tokens -> repetition / frequency / presence penalties
 -> greedy argmax | temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
 """
 
@@ -36,6 +37,8 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # set iff params.seed is not None; CPU generator
     eos_token_ids: tuple[int, ...] = ()
+    # Constrained decoding: this row's allowed-token bitmask (int32 [ceil(V/32)]), or None.
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +71,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # random rows only
     seeded_rows: torch.Tensor | None = None  # [num_seeded] int64, the keys of generators, in order
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
+    # Constrained rows and their allowed-token bitmasks: ([k] int64, int32 [k, ceil(V/32)]).
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -116,6 +121,9 @@ class SamplingMetadata:
             generators=c.generators,
             seeded_rows=i64(list(c.generators)) if c.generators else None,
             max_num_logprobs=c.max_num_logprobs,
+            grammar=(i64(c.grammar_rows), torch.stack(c.grammar_masks).to(device))
+            if c.grammar_rows
+            else None,
         )
 
 
@@ -131,6 +139,8 @@ class _Columns:
         self.outputs: list[list[int]] = []
         self.generators: dict[int, torch.Generator] = {}
         self.max_num_logprobs: int | None = None
+        self.grammar_rows: list[int] = []
+        self.grammar_masks: list[torch.Tensor] = []
 
     def add(self, i: int, row: SamplingRow, V: int) -> None:
         p = row.params
@@ -161,6 +171,9 @@ class _Columns:
             self.generators[i] = row.generator
         if p.logprobs is not None:
             self.max_num_logprobs = max(self.max_num_logprobs or 0, p.logprobs)
+        if row.grammar_bitmask is not None:
+            self.grammar_rows.append(i)
+            self.grammar_masks.append(row.grammar_bitmask)
 
 
 def _pad(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -184,6 +197,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # A private fp32 copy: the stages below work in place.
         logits = logits.to(torch.float32, copy=True)  # [B, V]
+        if meta.grammar is not None:
+            apply_grammar_bitmask(logits, *meta.grammar)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
@@ -205,6 +220,26 @@ class Sampler:
                 meta.max_num_logprobs, dim=-1, sorted=True
             )
         return out
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [k, W] (bit j of word w allows token 32 w + j) -> bool [k, vocab_size]; tokens
+    past the mask's width are not allowed."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [k, W, 32]
+    allowed = bits.bool().reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = allowed.new_zeros(allowed.shape[0], vocab_size - allowed.shape[1])
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf at every token a constrained row's grammar does not allow."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""The sampler's grammar bitmask stage against a per-token reference: only allowed tokens are
+ever sampled, greedy picks the best allowed token, logprobs are those of the masked
+distribution, and unconstrained rows of the same batch are untouched."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tinyserve.sampling_params import SamplingParams
+from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow, unpack_bitmask
+
+V = 100  # not a multiple of 32: the last word is partial
+
+
+def _bitmask(allowed: list[set[int]], words: int = 4) -> torch.Tensor:
+    out = torch.zeros(len(allowed), words, dtype=torch.int32)
+    for r, toks in enumerate(allowed):
+        for t in toks:
+            word, bit = divmod(t, 32)
+            value = int(out[r, word]) & 0xFFFFFFFF | (1 << bit)
+            out[r, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
+    return out
+
+
+def test_unpack_matches_a_per_bit_reference():
+    g = torch.Generator().manual_seed(0)
+    allowed = [set(torch.randperm(V, generator=g)[:k].tolist()) for k in (1, 7, 50, 99)]
+    allowed.append({31, 63, 95})  # sign bits of the int32 words
+    bits = unpack_bitmask(_bitmask(allowed), V)
+    assert bits.shape == (len(allowed), V)
+    for r, toks in enumerate(allowed):
+        assert {i for i in range(V) if bits[r, i]} == toks
+    # a mask narrower than the vocabulary allows nothing past its width
+    assert not unpack_bitmask(_bitmask([{3}], words=1), V)[0, 32:].any()
+
+
+def _rows(params_list, masks):
+    return [
+        SamplingRow(
+            params=p,
+            prompt_token_ids=[1, 2],
+            output_token_ids=[],
+            generator=torch.Generator().manual_seed(i) if p.seed is not None else None,
+            grammar_bitmask=m,
+        )
+        for i, (p, m) in enumerate(zip(params_list, masks, strict=True))
+    ]
+
+
+def test_masked_rows_sample_only_allowed_tokens_and_others_are_untouched():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, V, generator=g) * 3
+    allowed = {5, 17, 40, 99}
+    mask = _bitmask([allowed])[0]
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    hot = SamplingParams(temperature=1.5, seed=3, logprobs=2)
+    rows = _rows([greedy, hot, greedy], [mask, mask, None])
+    out = Sampler()(logits, SamplingMetadata.build(rows, V, torch.device("cpu")))
+    tokens = out.sampled_token_ids.tolist()
+    best_allowed = max(allowed, key=lambda t: float(logits[0, t]))
+    assert tokens[0] == best_allowed
+    assert tokens[1] in allowed
+    assert tokens[2] == int(logits[2].argmax())  # the unconstrained row
+    # logprobs of the masked distribution: a softmax over the allowed tokens only
+    ref = torch.log_softmax(logits[0, sorted(allowed)], dim=-1)
+    assert math.isclose(float(out.logprobs[0]), float(ref.max()), rel_tol=1e-5)
+    assert set(out.top_token_ids[0].tolist()) <= allowed
+    assert math.isclose(
+        float(out.logprobs[2]), float(torch.log_softmax(logits[2], -1).max()), rel_tol=1e-5
+    )
+
+
+def test_random_draws_respect_the_mask_over_many_seeds():
+    logits = torch.zeros(1, V)  # uniform: any leak would show quickly
+    allowed = {0, 33, 64, 98}
+    for seed in range(200):
+        p = SamplingParams(temperature=1.0, seed=seed, top_p=0.9, top_k=50, min_p=0.01)
+        meta = SamplingMetadata.build(
+            _rows([p], [_bitmask([allowed])[0]]), V, torch.device("cpu")
+        )
+        assert int(Sampler()(logits, meta).sampled_token_ids[0]) in allowed

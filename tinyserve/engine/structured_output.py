@@ -1,0 +1,88 @@
+"""StructuredOutputManager: the engine's side of constrained decoding.
+
+* Compiling: a request's grammar (JSON schema, JSON object, regex, choice, grammar) is
+  compiled by ``structured.manager.GrammarCompilerPool`` — a small thread pool, cached by
+  spec, with a time limit — never on the engine thread. The async front awaits the compile
+  before it adds the request (a spec that fails or times out is a 400 before anything
+  streams; other requests run meanwhile); the offline path compiles in ``add_request``.
+* Matching: each child request (``n > 1`` included) gets its own matcher
+  (``Request.grammar``); the scheduler advances it with every token it appends (so it
+  follows the kept output tokens through preemption by recompute) and finishes the request
+  when the grammar is complete.
+* Masking: after ``schedule()``, ``fill_bitmask`` fills one bitmask row per constrained
+  request that samples this step; the sampler applies it before every other logits stage.
+
+The grammar library is imported on first use: a server that never sees a constrained
+request never loads it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from tinyserve.outputs import SchedulerOutput
+from tinyserve.request import Request
+from tinyserve.sampling_params import SamplingParams
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, compile_timeout: float = 10.0) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
+        self._backend = None
+        self._pool = None
+
+    def _ensure_pool(self):
+        if self._pool is None:
+            from tinyserve.structured.backend import GrammarBackend
+            from tinyserve.structured.manager import GrammarCompilerPool
+
+            self._backend = GrammarBackend(self.tokenizer, self.vocab_size)
+            self._pool = GrammarCompilerPool(self._backend, timeout=self.compile_timeout)
+        return self._pool
+
+    @staticmethod
+    def _spec(params: SamplingParams):
+        from tinyserve.structured.spec import StructuredOutputSpec
+
+        so = params.structured_outputs
+        return StructuredOutputSpec(so.kind, so.value)
+
+    def validate(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError(
+                "structured_outputs: constrained decoding needs a tokenizer, and this engine has none"
+            )
+
+    def submit(self, params: SamplingParams) -> Future | None:
+        """Start (or find in the cache) the compile of the request's grammar; thread-safe.
+        None for an unconstrained request. The future raises ValueError for a bad spec."""
+        if params.structured_outputs is None:
+            return None
+        self.validate(params)
+        return self._ensure_pool().submit(self._spec(params))
+
+    def compiled(self, params: SamplingParams):
+        """The request's compiled grammar, or None (blocks while it compiles: the async front
+        has already awaited it, so there it is a cache hit). Raises ValueError for a bad spec."""
+        future = self.submit(params)
+        return None if future is None else future.result()
+
+    def attach(self, compiled, children: list[Request]) -> None:
+        """Give each child its own matcher over the compiled grammar."""
+        if compiled is None:
+            return
+        for req in children:
+            req.grammar = self._backend.matcher(compiled)
+
+    def fill_bitmask(self, sched: SchedulerOutput) -> None:
+        """One allowed-token bitmask row per constrained request that samples this step."""
+        items = [it for it in sched.scheduled if it.samples and it.request.grammar is not None]
+        if not items:
+            return
+        bitmask = self._backend.allocate_bitmask(len(items))
+        for row, item in enumerate(items):
+            item.request.grammar.fill_bitmask(bitmask, row)
+            sched.grammar_rows[item.request.request_id] = row
+        sched.grammar_bitmask = bitmask

@@ -215,11 +215,7 @@ void gemm(int kind, const void *qs, const float *d, const float *m, const float 
     }
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        int t = 0, T = 1;
-#endif
+        THREAD_INDEX(t, T);
         int64_t units = (N + 5) / 6, per = (units + T - 1) / T;
         int64_t n0 = t * per * 6, n1 = (t + 1) * per * 6;
         if (n1 > N) n1 = N;

@@ -184,11 +184,7 @@ int qgemm(int kind, const void *qs, const float *d, const float *m, const float 
     } else {
 #pragma omp parallel num_threads(nthreads)
         {
-#ifdef _OPENMP
-            int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-            int t = 0, T = 1;
-#endif
+            THREAD_INDEX(t, T);
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++)
                 quantize_row(x + r * ldx, K, qx + r * K, dx + r * nb, sx + r * nb);

@@ -6,6 +6,10 @@
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
+/* Inside a parallel region: this thread's index t and the team size T. */
+#define THREAD_INDEX(t, T) int t = omp_get_thread_num(), T = omp_get_num_threads()
+#else
+#define THREAD_INDEX(t, T) int t = 0, T = 1
 #endif
 
 #define INLINE static inline __attribute__((always_inline))

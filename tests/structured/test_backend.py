@@ -1,0 +1,232 @@
+"""The grammar seam against references: masks vs accepting tokens one by one, EOS only where
+the grammar may end, rejection leaves the state alone, rollback, bitmask application, and
+compile errors that name what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyserve.structured.backend import GrammarBackend
+from tinyserve.structured.spec import StructuredOutputSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 2},
+    },
+    "required": ["name", "n", "tags"],
+    "additionalProperties": False,
+}
+DOC = '{"name": "ab", "n": 12, "tags": ["x"]}'
+
+
+def _bits(bitmask, row=0):
+    return ((bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+
+
+def _allowed(bitmask, row=0) -> set[int]:
+    return set(_bits(bitmask, row).nonzero().flatten().tolist())
+
+
+@pytest.fixture(scope="module")
+def compiled(backend):
+    return backend.compile(StructuredOutputSpec.json_schema(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def doc_ids(smollm2_tokenizer):
+    return smollm2_tokenizer.encode(DOC, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("position", [0, 1, 3, 5, 9, "end"])
+def test_mask_equals_tokens_accepted_one_by_one(
+    backend, compiled, doc_ids, smollm2_tokenizer, position
+):
+    """Over the whole vocabulary: a bit is set exactly where accept_tokens([t]) succeeds,
+    except where the grammar forces the next bytes (a property name): there llguidance
+    allows only the token that spells them whole, and accept_tokens also takes the tokens
+    that spell a strict prefix of them (sampling never needs those)."""
+    k = len(doc_ids) if position == "end" else position
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_tokens(doc_ids[:k])
+    bitmask = backend.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    reference = set()
+    for t in range(backend.vocab_size):
+        if matcher.accept_tokens([t]):
+            reference.add(t)
+            matcher.rollback(1)
+    allowed = _allowed(bitmask)
+    assert allowed and allowed <= reference
+    forced = matcher._m.compute_ff_bytes().decode()  # llguidance's forced bytes, for the check
+    for t in reference - allowed:
+        text = smollm2_tokenizer.decode([t])
+        assert forced.startswith(text) and len(text) < len(forced), (t, text, forced)
+
+
+def test_eos_only_where_the_grammar_may_end(backend, compiled, doc_ids):
+    eos = backend.eos_token_ids[0]
+    matcher = backend.matcher(compiled)
+    bitmask = backend.allocate_bitmask(1)
+    for k, t in enumerate(doc_ids):
+        matcher.fill_bitmask(bitmask, 0)
+        assert eos not in _allowed(bitmask), k
+        assert not matcher.accept_tokens([eos])
+        assert matcher.accept_tokens([t])
+    matcher.fill_bitmask(bitmask, 0)
+    assert eos in _allowed(bitmask)
+    assert matcher.accept_tokens([eos]) and matcher.is_terminated()
+    matcher.fill_bitmask(bitmask, 0)
+    assert _allowed(bitmask) == {eos}
+
+
+def test_rejected_tokens_leave_the_state_unchanged(backend, compiled, doc_ids, smollm2_tokenizer):
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_tokens(doc_ids[:3])
+    before, after = backend.allocate_bitmask(1), backend.allocate_bitmask(1)
+    matcher.fill_bitmask(before, 0)
+    bad = smollm2_tokenizer.encode("}", add_special_tokens=False)
+    assert not matcher.accept_tokens(bad)
+    assert not matcher.accept_tokens([doc_ids[3], backend.eos_token_ids[0]])  # all or nothing
+    assert not matcher.accept_tokens([backend.vocab_size + 5, -1])
+    matcher.fill_bitmask(after, 0)
+    assert torch.equal(before, after)
+    assert matcher.accept_tokens(doc_ids[3:5])
+
+
+def test_rollback_and_reset_restore_earlier_states(backend, compiled, doc_ids):
+    matcher = backend.matcher(compiled)
+    at1, now = backend.allocate_bitmask(1), backend.allocate_bitmask(1)
+    assert matcher.accept_tokens(doc_ids[:1])
+    matcher.fill_bitmask(at1, 0)
+    assert matcher.accept_tokens(doc_ids[1:4])
+    matcher.rollback(3)
+    matcher.fill_bitmask(now, 0)
+    assert torch.equal(at1, now)
+    matcher.reset()
+    assert matcher.accept_tokens(doc_ids) and matcher.is_terminated()  # nothing after "}"
+    other = backend.matcher(compiled)  # matchers from one compiled grammar are independent
+    assert other.accept_tokens(doc_ids[:1])
+
+
+def test_choice_prefix_may_end_or_go_on(backend, smollm2_tokenizer):
+    compiled = backend.compile(StructuredOutputSpec.choice(["ab", "abc"]))
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_tokens(smollm2_tokenizer.encode("ab", add_special_tokens=False))
+    bitmask = backend.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = _allowed(bitmask)
+    assert backend.eos_token_ids[0] in allowed and len(allowed) > 1
+
+
+def test_bits_past_the_tokenizer_are_zero_and_masked(smollm2_tokenizer):
+    width = len(smollm2_tokenizer) + 40  # a model whose logits are padded past the vocab
+    wide = GrammarBackend(smollm2_tokenizer, vocab_size=width)
+    matcher = wide.matcher(wide.compile(StructuredOutputSpec.regex(r"[a-z ]+")))
+    bitmask = wide.allocate_bitmask(2)
+    assert bitmask.shape == (2, (width + 31) // 32) and bitmask.dtype == torch.int32
+    matcher.fill_bitmask(bitmask, 1)
+    assert _bits(bitmask, 1)[len(smollm2_tokenizer) :].sum() == 0
+    logits = torch.zeros(3, width)
+    wide.apply_bitmask(logits, bitmask[1:], [2])
+    assert torch.isinf(logits[2, len(smollm2_tokenizer) :]).all()
+    assert not torch.isinf(logits[:2]).any()
+
+
+def test_apply_bitmask_matches_a_per_token_loop():
+    backend = GrammarBackend.__new__(GrammarBackend)  # apply_bitmask needs no tokenizer
+    backend._shifts = {}
+    gen = torch.Generator().manual_seed(0)
+    vocab = 100
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 4), dtype=torch.int32, generator=gen)
+    logits = torch.randn(4, vocab, generator=gen)
+    expected = logits.clone()
+    for i, row in enumerate([3, 1]):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    backend.apply_bitmask(logits, bitmask, [3, 1])
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            StructuredOutputSpec.json_schema({"not": {"type": "string"}}),
+            "response_format: unsupported JSON schema keyword 'not'",
+        ),
+        (
+            StructuredOutputSpec.json_schema({"type": "object", "if": {}, "then": {}}),
+            "response_format: unsupported JSON schema keywords 'if', 'then'",
+        ),
+        (
+            StructuredOutputSpec.json_schema({"$ref": "#/$defs/missing"}),
+            "response_format: invalid JSON schema: Pointer '/$defs/missing' does not exist",
+        ),
+        (
+            StructuredOutputSpec.json_schema({"type": "string", "format": "nope"}),
+            "response_format: invalid JSON schema: Unknown format: nope",
+        ),
+        (
+            StructuredOutputSpec.regex("(a", field="structured_outputs.regex"),
+            "structured_outputs.regex: invalid regex",
+        ),
+        (
+            StructuredOutputSpec.grammar("start: undefined_rule", field="grammar"),
+            "grammar: invalid grammar",
+        ),
+    ],  # fmt: skip
+)
+def test_compile_errors_name_the_field_and_the_keyword(backend, spec, message):
+    with pytest.raises(ValueError) as err:
+        backend.compile(spec)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": [f"value-{i}" for i in range(2000)]},  # a large enum
+        {
+            "$ref": "#/$defs/d0",
+            "$defs": {
+                f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+                for i in range(40)
+            }
+            | {"d40": {"type": "null"}},
+        },
+        {"type": "object", "properties": {"self": {"$ref": "#"}, "v": {"type": "integer"}}},
+        {"type": "object", "patternProperties": {"^x-": {"type": "string"}}},
+        {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+    ],  # fmt: skip
+    ids=["enum2000", "deep40", "self_ref_root", "patternProperties", "prefixItems"],
+)
+def test_real_world_schemas_compile_or_refuse_cleanly(backend, schema):
+    try:
+        compiled = backend.compile(StructuredOutputSpec.json_schema(schema))
+    except ValueError as e:
+        assert str(e).startswith("response_format: "), str(e)
+        return
+    bitmask = backend.allocate_bitmask(1)
+    backend.matcher(compiled).fill_bitmask(bitmask, 0)
+    assert _bits(bitmask).any()
+
+
+@pytest.mark.parametrize("text, choices", [("ab", ["ab", "abc"]), ("abc", ["ab", "abc"])])
+def test_rollback_of_eos_restores_the_state_before_it(backend, smollm2_tokenizer, text, choices):
+    """EOS accepted where the grammar may go on ("ab") or is already stopped ("abc"), then
+    rolled back: the state is the one before the EOS, not one token earlier."""
+    matcher = backend.matcher(backend.compile(StructuredOutputSpec.choice(choices)))
+    assert matcher.accept_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
+    before, after = backend.allocate_bitmask(1), backend.allocate_bitmask(1)
+    matcher.fill_bitmask(before, 0)
+    eos = backend.eos_token_ids[0]
+    assert matcher.accept_tokens([eos]) and matcher.is_terminated()
+    matcher.rollback(1)
+    matcher.fill_bitmask(after, 0)
+    assert torch.equal(before, after)
+    assert matcher.accept_tokens([eos]) and matcher.is_terminated()

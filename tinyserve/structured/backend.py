@@ -1,0 +1,212 @@
+"""The grammar library behind one seam: llguidance (chosen by benchmarks/bench_grammar_libs.py;
+see benchmarks/README.md, "Grammar libraries").
+
+Who owns what: a ``GrammarBackend`` is built once per model (tokenizer, logits width) and is
+shared; ``compile`` is thread-safe and runs on the compile pool (manager.py), never on the
+engine thread. A ``CompiledGrammar`` is immutable and shared by every request with the same
+spec. A ``Matcher`` belongs to one request and is used by the engine thread only.
+
+Bitmasks are ``torch.int32 [rows, ceil(vocab_size / 32)]``: bit ``t % 32`` of word ``t // 32``
+is 1 when token ``t`` may be sampled next. Bits of ids the tokenizer does not have (the
+logits may be wider than the vocabulary) are always 0. EOS is allowed only where the grammar
+may end; once the grammar has ended, only EOS is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from tinyserve.structured.spec import StructuredOutputSpec
+
+# Bounds on the library's work so a pathological grammar fails (a 400 at compile time, or the
+# request ended at a step) instead of stalling: llguidance's defaults, lexer states raised
+# for large enums, grammar size capped.
+_LIMITS = dict(max_grammar_size=2_000_000, max_lexer_states=250_000, step_lexer_fuel=1_000_000)
+# oneOf is compiled as anyOf (exact when the branches are disjoint, the usual case: a type and
+# null, or objects told apart by a const); llguidance refuses it otherwise.
+# Whitespace between JSON tokens is bounded (enough for pretty-printed JSON a few levels
+# deep): unbounded, a model can pad with newlines until max_tokens and never close the value.
+_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"[ \t\n\r]{0,40}"}
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def _parser_limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**_LIMITS)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled spec: ``_template`` is a matcher at the start state that is never advanced;
+    each request's ``Matcher`` is a deep copy of it."""
+
+    spec: StructuredOutputSpec
+    compile_seconds: float
+    _template: llguidance.LLMatcher
+
+
+class Matcher:
+    """One request's position in its grammar (engine thread only)."""
+
+    def __init__(self, backend: GrammarBackend, ll_matcher: llguidance.LLMatcher):
+        self._backend = backend
+        self._m = ll_matcher
+        self._eos_after_stop = 0  # EOS accepted once stopped: llguidance does not record them
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over all of ``token_ids``, or over none: False (state unchanged) when any
+        is not allowed where it stands."""
+        ids = list(token_ids)
+        if not ids:
+            return True
+        if any(t < 0 or t >= self._backend.tokenizer_vocab_size for t in ids):
+            return False
+        if self._m.is_stopped():
+            # Only EOS may follow. llguidance counts none in validate_tokens, errors on
+            # consume_tokens and takes consume_token without recording it in its history.
+            # Those EOS are not in its history, so we count them for rollback().
+            if not all(t in self._backend.eos_token_ids for t in ids):
+                return False
+            self._eos_after_stop += len(ids)
+            return True
+        if self._m.validate_tokens(ids) != len(ids):
+            return False
+        return self._m.consume_tokens(ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write this matcher's allowed set into ``bitmask[row]``. A matcher the library put
+        in an error state (a step over its fuel limit) allows only EOS, so the request ends."""
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        if self._m.is_error():
+            self._backend.fill_eos_only(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
+        ours = min(num_tokens, self._eos_after_stop)
+        self._eos_after_stop -= ours
+        num_tokens -= ours
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+
+    def is_terminated(self) -> bool:
+        """True once nothing but EOS can follow (EOS accepted, or the grammar cannot extend)."""
+        return self._m.is_stopped()
+
+    def reset(self) -> None:
+        """Back to the start state (a preempted request recomputed from scratch)."""
+        self._m.reset()
+        self._eos_after_stop = 0
+
+
+class GrammarBackend:
+    """Compiles specs for one tokenizer and applies bitmasks to logits ``vocab_size`` wide
+    (the model's logits width, which may exceed ``len(tokenizer)``)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int] | None = None):
+        self.tokenizer_vocab_size = len(tokenizer)
+        if vocab_size < self.tokenizer_vocab_size:
+            raise ValueError(
+                f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}"
+            )
+        self.vocab_size = vocab_size
+        eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
+        if any(e is None for e in eos):
+            raise ValueError("the tokenizer has no EOS token: pass eos_token_ids")
+        self.eos_token_ids = eos
+        # n_vocab = the logits width: llguidance never allows ids past the tokenizer's own.
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def bitmask_width(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    # ------------------------------------------------------------------ compile
+    def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        """Thread-safe (the library drops the GIL while it builds). Raises ValueError whose
+        message starts with ``spec.field`` and names what is unsupported or invalid."""
+        t0 = time.perf_counter()
+        grammar = self._grammar_text(spec)
+        limits = _parser_limits()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._tokenizer, limits=limits
+        )
+        if is_error:
+            raise ValueError(_error_message(spec, messages[0] if messages else "invalid"))
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
+        if template.is_error():
+            raise ValueError(_error_message(spec, template.get_error()))
+        return CompiledGrammar(spec, time.perf_counter() - t0, template)
+
+    def _grammar_text(self, spec: StructuredOutputSpec) -> str:
+        grammar_of = llguidance.LLMatcher
+        if spec.kind == "json":
+            return grammar_of.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+        if spec.kind == "json_object":
+            return grammar_of.grammar_from_json_schema('{"type": "object"}')
+        if spec.kind == "regex":
+            return grammar_of.grammar_from_regex(spec.value)
+        if spec.kind == "choice":
+            # JSON string literals are Lark string literals; one alternative per choice.
+            choices = " | ".join(json.dumps(c) for c in json.loads(spec.value))
+            return grammar_of.grammar_from_lark(f"start: {choices}")
+        text = spec.value
+        if "::=" in text:  # GBNF (llama.cpp's EBNF)
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as e:  # the converter raises for what it cannot read
+                raise ValueError(f"{spec.field}: invalid GBNF grammar: {e}") from None
+        return grammar_of.grammar_from_lark(text)
+
+    # ------------------------------------------------------------------ matchers and masks
+    def matcher(self, compiled: CompiledGrammar) -> Matcher:
+        return Matcher(self, compiled._template.deep_copy())
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return torch.full((rows, self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
+
+    def fill_eos_only(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].zero_()
+        for t in self.eos_token_ids:
+            word = bitmask[row, t // 32].item() | (1 << (t % 32))
+            bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def apply_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, row_indices: Sequence[int]
+    ) -> None:
+        """In place: ``logits[row_indices[i], t] = -inf`` where bit ``t`` of ``bitmask[i]``
+        is 0 (and for every column past the mask). ``logits``: ``[num_rows, V]``."""
+        n = len(row_indices)
+        if n == 0:
+            return
+        device = logits.device
+        rows = torch.as_tensor(list(row_indices), dtype=torch.long, device=device)  # [n]
+        words = bitmask[:n].to(device, non_blocking=True)  # [n, W]
+        shifts = self._shifts.get(device)
+        if shifts is None:
+            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1).bool()  # [n, W * 32]
+        width = min(logits.shape[1], allowed.shape[1])
+        blocked = torch.ones(n, logits.shape[1], dtype=torch.bool, device=device)  # [n, V]
+        blocked[:, :width] = ~allowed[:, :width]
+        logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
+
+
+def _error_message(spec: StructuredOutputSpec, message: str) -> str:
+    message = message.strip()
+    found = _UNIMPLEMENTED.search(message)
+    if spec.kind == "json" and found:
+        keys = ", ".join(repr(k.strip().strip('"')) for k in found.group(1).split(","))
+        plural = "s" if "," in found.group(1) else ""
+        return f"{spec.field}: unsupported JSON schema keyword{plural} {keys}"
+    what = {"json": "JSON schema", "json_object": "JSON object grammar"}.get(spec.kind, spec.kind)
+    return f"{spec.field}: invalid {what}: {message}"

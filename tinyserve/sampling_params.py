@@ -22,6 +22,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # Lark / EBNF, as the grammar library reads it
     json_object: bool | None = None
+    field: str = "structured_outputs"  # the request field it came from, for error messages
 
     def __post_init__(self) -> None:
         modes = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -29,24 +30,24 @@ class StructuredOutputsParams:
             modes.append("json_object")
         if len(modes) != 1:
             raise ValueError(
-                "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                f"{self.field}: give exactly one of json, regex, choice, grammar, "
                 f"json_object (got {', '.join(modes) or 'none'})"
             )
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
             except ValueError as e:
-                raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
+                raise ValueError(f"{self.field}: json is not valid JSON: {e}") from None
         elif self.json is not None and not isinstance(self.json, dict):
-            raise ValueError("structured_outputs: json must be a JSON schema object")
+            raise ValueError(f"{self.field}: json must be a JSON schema object")
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError("structured_outputs: choice must be a non-empty list of strings")
+            raise ValueError(f"{self.field}: choice must be a non-empty list of strings")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
+                raise ValueError(f"{self.field}: {name} must be a non-empty string")
 
     @property
     def kind(self) -> str:
@@ -57,11 +58,12 @@ class StructuredOutputsParams:
 
     @property
     def value(self) -> str | None:
-        """The mode's value as text: a schema or a choice list as canonical JSON."""
+        """The mode's value as text: a schema or a choice list as compact JSON."""
         kind = self.kind
         if kind == "json":
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # Key order kept: the grammar emits properties in schema order.
+            return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         if kind == "choice":
             return json.dumps(list(self.choice or []))
         return getattr(self, kind) if kind != "json_object" else None

@@ -122,9 +122,11 @@ def test_engine_core_step_is_schedule_execute_update():
     from tinyserve.engine.core import EngineCore
 
     assert _statements(EngineCore.step) <= 15
+    tree = ast.parse(textwrap.dedent(inspect.getsource(EngineCore.step)))
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     calls = [
-        node.func.attr
-        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(EngineCore.step))))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        n.func.attr
+        for n in sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
+        if isinstance(n.func, ast.Attribute)
     ]
     assert calls == ["_check_health", "schedule", "fill_bitmask", "_execute", "update_from_output"]

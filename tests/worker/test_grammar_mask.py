@@ -77,7 +77,5 @@ def test_random_draws_respect_the_mask_over_many_seeds():
     allowed = {0, 33, 64, 98}
     for seed in range(200):
         p = SamplingParams(temperature=1.0, seed=seed, top_p=0.9, top_k=50, min_p=0.01)
-        meta = SamplingMetadata.build(
-            _rows([p], [_bitmask([allowed])[0]]), V, torch.device("cpu")
-        )
+        meta = SamplingMetadata.build(_rows([p], [_bitmask([allowed])[0]]), V, torch.device("cpu"))
         assert int(Sampler()(logits, meta).sampled_token_ids[0]) in allowed

@@ -44,19 +44,17 @@ class LLMEngine:
                 from tinyserve.models.loader import load_tokenizer
 
                 tokenizer = load_tokenizer(self.executor.source) if args.load_tokenizer else None
-            self.tokenizer = tokenizer
-            self.structured = StructuredOutputManager(
-                tokenizer, self.executor.model_config.vocab_size
-            )
-            self.core = EngineCore(self.executor, args, self.structured)
         except BaseException:
             self.executor.close()
             raise
+        self.tokenizer = tokenizer
         config = self.executor.model_config
         eos = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
+        self.structured = StructuredOutputManager(tokenizer, config.vocab_size, self.eos_token_ids)
+        self.core = EngineCore(self.executor, args, self.structured)
         self.max_model_len = self.executor.max_model_len
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         source = self.executor.source

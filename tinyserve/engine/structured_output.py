@@ -26,9 +26,12 @@ from tinyserve.sampling_params import SamplingParams
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, compile_timeout: float = 10.0) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids=(), compile_timeout: float = 10.0
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
         self.compile_timeout = compile_timeout
         self._backend = None
         self._pool = None
@@ -38,8 +41,9 @@ class StructuredOutputManager:
             from tinyserve.structured.backend import GrammarBackend
             from tinyserve.structured.manager import GrammarCompilerPool
 
-            self._backend = GrammarBackend(self.tokenizer, self.vocab_size)
-            self._pool = GrammarCompilerPool(self._backend, timeout=self.compile_timeout)
+            eos = self.eos_token_ids or None
+            self._backend = GrammarBackend(self.tokenizer, self.vocab_size, eos)
+            self._pool = GrammarCompilerPool(self._backend, compile_timeout_s=self.compile_timeout)
         return self._pool
 
     @staticmethod
@@ -47,7 +51,7 @@ class StructuredOutputManager:
         from tinyserve.structured.spec import StructuredOutputSpec
 
         so = params.structured_outputs
-        return StructuredOutputSpec(so.kind, so.value)
+        return StructuredOutputSpec(so.kind, so.value or "", field=so.field)
 
     def validate(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None and self.tokenizer is None:

@@ -176,10 +176,10 @@ class OpenAIServing:
             if fmt is None or fmt.type == "text":
                 return None
             if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True)
+                return StructuredOutputsParams(json_object=True, field="response_format")
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise ValueError("response_format: json_schema needs json_schema.schema")
-            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+            return StructuredOutputsParams(json=fmt.json_schema.schema_, field="response_format")
         except ValueError as e:
             param = "structured_outputs" if so is not None else "response_format"
             raise bad_request(e, param) from None

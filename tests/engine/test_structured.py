@@ -1,0 +1,146 @@
+"""Constrained decoding through the whole engine, on a 2-layer random Llama with SmolLM2's
+tokenizer: random weights sampled at temperature 1 produce text no grammar would, so every
+valid output is the grammar's doing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from conftest import assert_no_leaks, build_engine, drain
+
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz_model(smollm2_gguf_path, tmp_path_factory) -> str:
+    from tinyserve.models.default_model import tokenizer_dir_for
+    from tinyserve.testing.checkpoints import build_fuzz_model
+
+    dest = tmp_path_factory.mktemp("structured") / "model"
+    return str(build_fuzz_model(dest, tokenizer_dir_for(smollm2_gguf_path)))
+
+
+def _engine(path: str, **kw):
+    return build_engine(model=path, block_size=16, num_blocks=kw.pop("num_blocks", 512), **kw)
+
+
+def _params(so: StructuredOutputsParams, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 160, **kw}, structured_outputs=so)
+
+
+def _texts(collector, rid: str) -> list[tuple[str, str | None]]:
+    return [(c.text, c.finish_reason) for _, c in sorted(collector.choices[rid].items())]
+
+
+def test_json_schema_outputs_validate_for_every_seed_and_sample(fuzz_model):
+    engine = _engine(fuzz_model)
+    prompt = engine.tokenizer.encode("Give me a person:")
+    so = StructuredOutputsParams(json=SCHEMA)
+    for seed in range(6):
+        engine.add_request(f"r{seed}", prompt, _params(so, seed=seed, n=2))
+    out = drain(engine)
+    stopped = 0
+    for seed in range(6):
+        for text, finish in _texts(out, f"r{seed}"):
+            assert finish in ("stop", "length"), finish
+            if finish == "stop":
+                jsonschema.validate(json.loads(text), SCHEMA)
+                stopped += 1
+    assert stopped >= 6, "too few outputs finished inside max_tokens to show anything"
+    assert_no_leaks(engine)
+
+
+def test_regex_choice_and_json_object(fuzz_model):
+    engine = _engine(fuzz_model)
+    prompt = engine.tokenizer.encode("Answer:")
+    cases = {
+        "re": StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"),
+        "ch": StructuredOutputsParams(choice=["yes", "no", "maybe later"]),
+        "obj": StructuredOutputsParams(json_object=True),
+    }
+    for rid, so in cases.items():
+        engine.add_request(rid, prompt, _params(so, seed=7, n=3, max_tokens=80))
+    out = drain(engine)
+    for text, finish in _texts(out, "re"):
+        assert finish == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+    for text, finish in _texts(out, "ch"):
+        assert finish == "stop" and text in ("yes", "no", "maybe later"), text
+    for text, finish in _texts(out, "obj"):
+        assert finish == "length" or isinstance(json.loads(text), dict), text
+
+
+def test_greedy_and_logprobs_follow_the_masked_distribution(fuzz_model):
+    engine = _engine(fuzz_model)
+    prompt = engine.tokenizer.encode("Pick:")
+    so = StructuredOutputsParams(choice=["alpha", "beta"])
+    engine.add_request("g", prompt, _params(so, temperature=0.0, logprobs=3))
+    (choice,) = drain(engine).choices["g"].values()
+    assert choice.text in ("alpha", "beta") and choice.finish_reason == "stop"
+    for lp in choice.logprobs:
+        assert lp.logprob <= 0.0 and lp.top[0][0] == lp.token_id  # greedy: the best allowed
+
+
+def test_constrained_tokens_survive_preemption_and_prefix_hits(fuzz_model):
+    """A seeded constrained request gives the same tokens alone and when squeezed into a cache
+    small enough to preempt (recompute) it, next to requests sharing its prompt prefix."""
+    prompt = _engine(fuzz_model).tokenizer.encode("A person record: " * 6)
+    so = StructuredOutputsParams(json=SCHEMA)
+    alone = _engine(fuzz_model)
+    alone.add_request("x", prompt, _params(so, seed=3, max_tokens=96))
+    ref = _texts(drain(alone), "x")
+
+    busy = _engine(fuzz_model, num_blocks=14, max_num_batched_tokens=64)
+    for i in range(4):
+        busy.add_request(f"o{i}", prompt, _params(so, seed=10 + i, max_tokens=96))
+    busy.add_request("x", prompt, _params(so, seed=3, max_tokens=96))
+    out = drain(busy)
+    assert busy.core.scheduler.num_preemptions > 0, "the cache was not small enough"
+    assert _texts(out, "x") == ref
+    assert_no_leaks(busy)
+
+
+@pytest.mark.parametrize(
+    "so, message",
+    [
+        (StructuredOutputsParams(json={"type": "object", "not": {"required": ["a"]}}),
+         "structured_outputs: unsupported JSON schema keyword 'not'"),
+        (StructuredOutputsParams(regex="(unclosed"), "regex"),
+        (StructuredOutputsParams(grammar="start: ???"), "grammar"),
+    ],
+)  # fmt: skip
+def test_a_bad_spec_is_a_value_error_and_leaves_nothing(fuzz_model, so, message):
+    engine = _engine(fuzz_model)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", [1, 2, 3], _params(so))
+    assert "bad" not in engine.output_processor
+    assert_no_leaks(engine)
+
+
+def test_structured_outputs_params_take_exactly_one_mode():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json="{")
+    assert StructuredOutputsParams(json='{"b": 1, "a": 2}').value == '{"b":1,"a":2}'

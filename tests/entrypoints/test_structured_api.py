@@ -1,0 +1,122 @@
+"""Structured outputs over HTTP on the real server (SmolLM2): the official SDK's
+``parse()`` with pydantic models, ``response_format`` and vLLM's ``structured_outputs`` on
+chat and completions, streamed and not, and the 400s for bad specs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import MODEL
+from pydantic import BaseModel, Field
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+class Stop(BaseModel):
+    city: str = Field(max_length=24)
+    nights: int = Field(ge=1, le=14)
+
+
+class Trip(BaseModel):  # nested, bounded: a 135M model still ends inside max_tokens
+    origin: Stop
+    destinations: list[Stop] = Field(min_length=1, max_length=3)
+    mode: str = Field(pattern="^(car|train|plane)$")
+
+
+@pytest.fixture
+def oai(server):
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.mark.parametrize("model_cls", [City, Trip])
+def test_sdk_parse_returns_a_validated_pydantic_object(oai, model_cls):
+    for seed in range(3):
+        completion = oai.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a trip between two cities."}],
+            response_format=model_cls,
+            max_tokens=300,
+            temperature=0.8,
+            seed=seed,
+        )
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "stop"
+        assert isinstance(message.parsed, model_cls)
+        assert model_cls.model_validate_json(message.content) == message.parsed
+
+
+def test_streamed_json_schema_and_completions_structured_outputs(server):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+              "why": {"type": "string", "maxLength": 40}}, "required": ["answer", "why"]}  # fmt: skip
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Is the sky blue?"}],
+        "max_tokens": 120, "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }  # fmt: skip
+    text = ""
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["delta"].get("content") or ""
+    jsonschema.validate(json.loads(text), schema)
+
+    body = {"model": MODEL, "prompt": ["Phone:", "Code:"], "n": 2, "max_tokens": 30,
+            "temperature": 1.0, "seed": 1,
+            "structured_outputs": {"regex": r"\+[0-9]{2} [0-9]{3}-[0-9]{4}"}}  # fmt: skip
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        assert (
+            re.fullmatch(r"\+[0-9]{2} [0-9]{3}-[0-9]{4}", c["text"])
+            and c["finish_reason"] == "stop"
+        )
+
+
+def test_choice_and_json_object(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Pick a fruit."}],
+            "max_tokens": 20, "structured_outputs": {"choice": ["apple", "pear", "fig"]}}  # fmt: skip
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] in ("apple", "pear", "fig")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Give JSON with a key x."}],
+            "max_tokens": 100, "response_format": {"type": "json_object"}}  # fmt: skip
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" or isinstance(
+        json.loads(choice["message"]["content"]), dict
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"not": {"type": "string"}}}}}, "response_format", "'not'"),
+        ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+         "exactly one"),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
+        ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+         "structured_outputs", "not both"),
+    ],
+)  # fmt: skip
+def test_bad_specs_are_400s_and_the_server_goes_on(server, extra, param, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = httpx.post(server.url("/v1/chat/completions"), json={**body, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and (err["param"] == param or param in err["message"])
+    assert httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).status_code == 200

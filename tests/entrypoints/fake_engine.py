@@ -97,6 +97,9 @@ class FakeEngine:
     def compile_grammar(self, params: SamplingParams):
         return None
 
+    def warm_up(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -138,6 +138,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
+        self.engine.warm_up()
         self._thread = threading.Thread(target=self._run, name="tinyserve-engine", daemon=True)
         self._thread.start()
 

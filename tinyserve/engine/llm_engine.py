@@ -158,6 +158,11 @@ class LLMEngine:
         self.core.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         return bool(live)
 
+    def warm_up(self) -> None:
+        """Prepare what the first request of a kind would otherwise wait for (the grammar
+        backend, built in the background)."""
+        self.structured.warm_up()
+
     def compile_grammar(self, params: SamplingParams):
         """Start compiling a constrained request's grammar in the compile pool (thread-safe):
         a Future, or None when the request is unconstrained."""

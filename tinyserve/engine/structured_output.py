@@ -12,17 +12,39 @@
 * Masking: after ``schedule()``, ``fill_bitmask`` fills one bitmask row per constrained
   request that samples this step; the sampler applies it before every other logits stage.
 
-The grammar library is imported on first use: a server that never sees a constrained
-request never loads it.
+The grammar backend (the tokenizer's vocabulary converted for llguidance) is built once per
+tokenizer and process, in a background thread (from the server's start, or at the first
+constrained request).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tinyserve.outputs import SchedulerOutput
 from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
+
+# Building a backend converts the tokenizer's vocabulary for the grammar library (~2-4 s for
+# 49k tokens on 2 cores): done once per tokenizer and process, in the background from the
+# server's start (``warm_up``), so its first constrained request does not wait for it.
+_BUILDER = ThreadPoolExecutor(1, thread_name_prefix="grammar-backend")
+_BACKENDS: dict[tuple, Future] = {}
+_BACKENDS_LOCK = threading.Lock()
+
+
+def _backend_future(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Future:
+    key = (getattr(tokenizer, "name_or_path", None) or id(tokenizer), len(tokenizer),
+           vocab_size, eos_token_ids)  # fmt: skip
+    with _BACKENDS_LOCK:
+        future = _BACKENDS.get(key)
+        if future is None:
+            from tinyserve.structured.backend import GrammarBackend
+
+            eos = list(eos_token_ids) or None
+            future = _BACKENDS[key] = _BUILDER.submit(GrammarBackend, tokenizer, vocab_size, eos)
+        return future
 
 
 class StructuredOutputManager:
@@ -31,18 +53,23 @@ class StructuredOutputManager:
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
         self.compile_timeout = compile_timeout
+        self.eos_token_ids = tuple(eos_token_ids)
         self._backend = None
         self._pool = None
 
+    def warm_up(self) -> None:
+        """Start building the grammar backend in the background (the server does at start;
+        otherwise the first constrained request builds it)."""
+        if self.tokenizer is not None:
+            _backend_future(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
     def _ensure_pool(self):
         if self._pool is None:
-            from tinyserve.structured.backend import GrammarBackend
             from tinyserve.structured.manager import GrammarCompilerPool
 
-            eos = self.eos_token_ids or None
-            self._backend = GrammarBackend(self.tokenizer, self.vocab_size, eos)
+            future = _backend_future(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._backend = future.result()
             self._pool = GrammarCompilerPool(self._backend, compile_timeout_s=self.compile_timeout)
         return self._pool
 

@@ -11,11 +11,10 @@ before ``[DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -24,10 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream, QueueFullError
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+from tinyserve.entrypoints.serving_chat import ChatServing
 from tinyserve.entrypoints.streaming import (
     collect,
     engine_error,
     finish_reason_of,
+    input_size,
+    off_loop,
     outputs,
     sse,
     until_disconnect,
@@ -37,28 +39,8 @@ from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# Inputs larger than this (characters of text or message content) are templated and
-# tokenised in a worker thread instead of on the event loop.
-OFF_LOOP_CHARS = 16_384
 
-
-def _input_size(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_input_size(v) for v in value)
-    content = getattr(value, "content", None)
-    return _input_size(content) if content is not None else 0
-
-
-async def off_loop(size: int, fn: Callable, *args):
-    """``fn(*args)``, in a worker thread when the input is large."""
-    if size > OFF_LOOP_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
-class OpenAIServing:
+class OpenAIServing(ChatServing):
     """The handlers behind /v1/chat/completions, /v1/completions, /tokenize, /detokenize."""
 
     def __init__(
@@ -94,27 +76,6 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
-
-    def chat_prompt_ids(
-        self, messages: list[P.ChatMessage], add_generation_prompt: bool = True
-    ) -> list[int]:
-        conversation = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "\n".join(part.text for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-        except OpenAIError:
-            raise
-        except Exception as e:  # the template rejected the conversation (jinja raise_exception)
-            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -211,89 +172,6 @@ class OpenAIServing:
                 self._token_str_cache[token_id] = s
         return s
 
-    # -- chat ----------------------------------------------------------------------------------
-
-    async def chat(self, req: P.ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs: requires logprobs=true", "top_logprobs")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise bad_request(f"top_logprobs: must be in [0, 20], got {req.top_logprobs}")
-        max_tokens = req.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = req.max_tokens
-        params = self.sampling_params(
-            req,
-            max_tokens=max_tokens,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        )
-        prompt_ids = await off_loop(
-            _input_size(req.messages),
-            self.chat_prompt_ids,
-            req.messages,
-            req.add_generation_prompt,
-        )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self._log_request(request_id, req)
-        stream = await self.add(request_id, [prompt_ids], params)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_stream(request_id, stream, params, include_usage)
-            return sse(events, self.shutdown_grace_period)
-        choices, usage = await until_disconnect(raw, collect(stream), stream)
-        result = P.ChatCompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=[
-                P.ChatCompletionChoice(
-                    index=i,
-                    message=P.ChatResponseMessage(content=c.text),
-                    logprobs=P.chat_logprobs(c.logprobs, self.token_str)
-                    if params.logprobs is not None
-                    else None,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage_info(usage),
-        )
-        return JSONResponse(P.dump(result))
-
-    async def _chat_stream(
-        self,
-        request_id: str,
-        stream: OutputStream,
-        params: SamplingParams,
-        include_usage: bool,
-    ) -> AsyncIterator[dict[str, Any]]:
-        created = int(time.time())
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created}
-        head["model"] = self.model_name
-
-        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict[str, Any]:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs}
-            choice["finish_reason"] = finish_reason
-            return {**head, "choices": [choice]}
-
-        for i in range(params.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        usage = None
-        async for out in outputs(stream):
-            usage = out.usage or usage
-            fr = finish_reason_of(out)
-            if not out.text_delta and fr is None and not out.logprobs:
-                continue  # the detokenizer held the text back (stop-string or UTF-8 boundary)
-            lp = (
-                P.chat_logprobs(out.logprobs, self.token_str)
-                if params.logprobs is not None
-                else None
-            )
-            delta = {"content": out.text_delta} if out.text_delta or fr is None else {}
-            yield chunk(out.index, delta, lp, fr)
-        if include_usage:
-            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
-
     # -- completions ---------------------------------------------------------------------------
 
     def _echo_texts(self, prompts: list[list[int]], echo: bool) -> list[str]:
@@ -304,7 +182,7 @@ class OpenAIServing:
         if req.suffix:
             raise bad_request("suffix: not supported", "suffix")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        size = _input_size(req.prompt) if isinstance(req.prompt, str | list) else 0
+        size = input_size(req.prompt) if isinstance(req.prompt, str | list) else 0
         prompts = await off_loop(size, self.completion_prompts, req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._log_request(request_id, req)

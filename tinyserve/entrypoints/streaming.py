@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,26 @@ from tinyserve.engine.client import (
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError
 from tinyserve.outputs import StepOutput, TokenLogprob, Usage
+
+# Inputs larger than this (characters of text or message content) are templated and
+# tokenised in a worker thread instead of on the event loop.
+OFF_LOOP_CHARS = 16_384
+
+
+def input_size(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(input_size(v) for v in value)
+    content = getattr(value, "content", None)
+    return input_size(content) if content is not None else 0
+
+
+async def off_loop(size: int, fn: Callable, *args):
+    """``fn(*args)``, in a worker thread when the input is large."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def engine_error(e: Exception) -> OpenAIError:

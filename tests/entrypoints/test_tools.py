@@ -1,0 +1,118 @@
+"""Function calling on the real server (SmolLM2, whose template has no tool support): forced
+and automatic calls whose arguments validate, a full round trip through a local function,
+streamed calls accumulated by the official SDK's stream helper, and the 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import MODEL
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "timezone": {"type": "string", "maxLength": 20}}, "required": ["timezone"]}},
+}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+def oai(server):
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _check_call(call, tool=WEATHER):
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_forced_call_round_trip(oai):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                    tool_choice=choice, max_tokens=120)  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    _check_call(call)
+    args = json.loads(call.function.arguments)
+    result = {"city": args["city"], "temperature": 21, "unit": args["unit"]}  # the local function
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
+    ]
+    final = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                        tool_choice="none", max_tokens=40, temperature=0)  # fmt: skip
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_required_and_auto_always_parse(oai):
+    for seed in range(3):
+        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                        tool_choice="required", max_tokens=150, seed=seed,
+                                        temperature=1.0, parallel_tool_calls=False)  # fmt: skip
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                        max_tokens=150, seed=seed, temperature=1.0)  # fmt: skip
+        c = r.choices[0]
+        if c.finish_reason == "tool_calls":
+            for call in c.message.tool_calls:
+                _check_call(call)
+        else:
+            assert c.finish_reason in ("stop", "length") and c.message.content is not None
+
+
+def test_streamed_call_accumulates_in_the_sdk(oai):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    with oai.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER],
+                                     tool_choice=choice, max_tokens=120) as stream:  # fmt: skip
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    c = final.choices[0]
+    assert c.finish_reason == "tool_calls"
+    (call,) = c.message.tool_calls
+    _check_call(call)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "'nope' is not in tools"),
+        ({"tool_choice": "required"}, "requires tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
+          {"type": "array"}}}]}, "object schema"),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s(server, extra, words):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]

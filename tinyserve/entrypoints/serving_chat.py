@@ -1,0 +1,187 @@
+"""/v1/chat/completions: messages -> chat template -> prompt ids; tools (entrypoints/tools.py)
+through a grammar-enforced JSON envelope; responses and SSE chunks.
+
+``ChatServing`` is a mixin of ``OpenAIServing`` (serving.py), which provides the shared
+input handling (``tokenizer``, ``sampling_params``, ``add``, ``token_str``, ...).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tinyserve.engine.client import OutputStream
+from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+from tinyserve.entrypoints.streaming import (
+    collect,
+    finish_reason_of,
+    input_size,
+    off_loop,
+    outputs,
+    sse,
+    until_disconnect,
+    usage_info,
+)
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class ChatServing:
+    def chat_prompt_ids(
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[T.Tool] | None = None,
+        tool_choice: T.ToolChoice | None = None,
+    ) -> list[int]:
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "\n".join(part.text for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except OpenAIError:
+            raise
+        except Exception as e:  # the template rejected the conversation (jinja raise_exception)
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def _chat_params(self, req: P.ChatCompletionRequest, tools: list[T.Tool]) -> SamplingParams:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs: requires logprobs=true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise bad_request(f"top_logprobs: must be in [0, 20], got {req.top_logprobs}")
+        extra: dict[str, Any] = {}
+        if tools:
+            if self.structured_outputs(req) is not None:
+                raise bad_request("tools: cannot be combined with response_format", "tools")
+            schema = T.envelope_schema(tools, req.tool_choice, req.parallel_tool_calls)
+            extra["structured_outputs"] = StructuredOutputsParams(json=schema, field="tools")
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        return self.sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            **extra,
+        )
+
+    async def chat(self, req: P.ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        try:
+            tools = T.check_tools(req.tools, req.tool_choice)
+        except ValueError as e:
+            raise bad_request(e, "tool_choice" if "tool_choice" in str(e) else "tools") from None
+        params = self._chat_params(req, tools)
+        prompt_ids = await off_loop(
+            input_size(req.messages),
+            self.chat_prompt_ids,
+            req.messages,
+            req.add_generation_prompt,
+            tools,
+            req.tool_choice,
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._log_request(request_id, req)
+        stream = await self.add(request_id, [prompt_ids], params)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = self._chat_stream(request_id, stream, params, include_usage, bool(tools))
+            return sse(events, self.shutdown_grace_period)
+        choices, usage = await until_disconnect(raw, collect(stream), stream)
+        result_choices = []
+        for i, c in enumerate(choices):
+            content, calls, finish = c.text, [], c.finish_reason
+            if tools and finish == "stop":
+                content, calls = T.parse_output(c.text)
+                finish = "tool_calls" if calls else finish
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = P.chat_logprobs(c.logprobs, self.token_str)
+            message = P.ChatResponseMessage(content=content, tool_calls=calls or None)
+            result_choices.append(
+                P.ChatCompletionChoice(
+                    index=i,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    stop_reason=c.stop_reason,
+                )  # fmt: skip
+            )
+        result = P.ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=result_choices, usage=usage_info(usage)
+        )
+        return JSONResponse(P.dump(result))
+
+    async def _chat_stream(
+        self,
+        request_id: str,
+        stream: OutputStream,
+        params: SamplingParams,
+        include_usage: bool,
+        with_tools: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        created = int(time.time())
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created}
+        head["model"] = self.model_name
+
+        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict[str, Any]:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+            choice["finish_reason"] = finish_reason
+            return {**head, "choices": [choice]}
+
+        for i in range(params.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        usage = None
+        held: dict[int, str] = {}  # with tools: each choice's envelope, parsed when it ends
+        async for out in outputs(stream):
+            usage = out.usage or usage
+            fr = finish_reason_of(out)
+            if with_tools:
+                held[out.index] = held.get(out.index, "") + out.text_delta
+                if fr is not None:
+                    for event in _tool_events(held.pop(out.index), fr):
+                        yield chunk(out.index, *event)
+                continue
+            if not out.text_delta and fr is None and not out.logprobs:
+                continue  # the detokenizer held the text back (stop-string or UTF-8 boundary)
+            lp = (
+                P.chat_logprobs(out.logprobs, self.token_str)
+                if params.logprobs is not None
+                else None
+            )
+            delta = {"content": out.text_delta} if out.text_delta or fr is None else {}
+            yield chunk(out.index, delta, lp, fr)
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
+
+
+def _tool_events(text: str, finish_reason: str) -> list[tuple[dict, None, str | None]]:
+    """A finished choice's deltas: its content, or per call (OpenAI's shape) a first delta
+    with index, id, type, name and empty arguments, then one with the arguments."""
+    content, calls = T.parse_output(text) if finish_reason == "stop" else (text, [])
+    if not calls:
+        return [({"content": content or ""}, None, None), ({}, None, finish_reason)]
+    events = []
+    for i, call in enumerate(calls):
+        first = {"index": i, "id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": ""}}  # fmt: skip
+        events.append(({"tool_calls": [first]}, None, None))
+        rest = {"index": i, "function": {"arguments": call.function.arguments}}
+        events.append(({"tool_calls": [rest]}, None, None))
+    events.append(({}, None, "tool_calls"))
+    return events

@@ -88,6 +88,17 @@ def smol_path(smollm2_gguf_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def fuzz_model(smollm2_gguf_path, tmp_path_factory) -> str:
+    """A 2-layer random Llama with SmolLM2's tokenizer: fast, and it samples nonsense, so
+    every well-formed constrained output is the grammar's doing."""
+    from tinyserve.models.default_model import tokenizer_dir_for
+    from tinyserve.testing.checkpoints import build_fuzz_model
+
+    dest = tmp_path_factory.mktemp("fuzz_model") / "model"
+    return str(build_fuzz_model(dest, tokenizer_dir_for(smollm2_gguf_path)))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory) -> str:
     """A tiny random Qwen2 (q/k/v bias, GQA, untied head) written by transformers."""
     from tinyserve.testing.checkpoints import engine_qwen2

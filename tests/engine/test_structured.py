@@ -31,15 +31,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def fuzz_model(smollm2_gguf_path, tmp_path_factory) -> str:
-    from tinyserve.models.default_model import tokenizer_dir_for
-    from tinyserve.testing.checkpoints import build_fuzz_model
-
-    dest = tmp_path_factory.mktemp("structured") / "model"
-    return str(build_fuzz_model(dest, tokenizer_dir_for(smollm2_gguf_path)))
-
-
 def _engine(path: str, **kw):
     return build_engine(model=path, block_size=16, num_blocks=kw.pop("num_blocks", 512), **kw)
 

@@ -26,6 +26,7 @@ import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from tinyserve.structured.schema_fixes import fix_schema
 from tinyserve.structured.spec import StructuredOutputSpec
 
 # Bounds on the library's work so a pathological grammar fails (a 400 at compile time, or the
@@ -150,7 +151,8 @@ class GrammarBackend:
     def _grammar_text(self, spec: StructuredOutputSpec) -> str:
         grammar_of = llguidance.LLMatcher
         if spec.kind == "json":
-            return grammar_of.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+            schema = json.dumps(fix_schema(json.loads(spec.value)), ensure_ascii=False)
+            return grammar_of.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if spec.kind == "json_object":
             return grammar_of.grammar_from_json_schema('{"type": "object"}')
         if spec.kind == "regex":

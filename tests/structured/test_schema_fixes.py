@@ -1,0 +1,67 @@
+"""The schema rewrites around llguidance's bugs (tinyserve/structured/schema_fixes.py):
+outputs the library would wrongly allow are refused through the backend, and the rewrite
+itself is exact where it can be and leaves everything else alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyserve.structured.schema_fixes import fix_schema
+from tinyserve.structured.spec import StructuredOutputSpec
+
+# (schema, texts that must be refused, texts that must be accepted). Found by the engine fuzz
+# (tests/engine/test_structured_fuzz.py): llguidance 1.9.1 took the excluded integer.
+EXCLUSIVE_CASES = [
+    ({"exclusiveMinimum": 40.0, "maximum": 40.5}, ["40", "39"], ["40.1", "40.5", "40.25"]),
+    ({"exclusiveMinimum": 40, "exclusiveMaximum": 40.5}, ["40", "40.5"], ["40.4"]),
+    ({"exclusiveMinimum": 0, "maximum": 0.5}, ["0", "-0"], ["0.1", "0.5"]),
+    ({"exclusiveMinimum": 5, "maximum": 5.0001}, ["5"], ["5.00005"]),
+    ({"minimum": -2.5, "exclusiveMaximum": -2}, ["-2"], ["-2.5", "-2.1"]),
+    ({"minimum": -0.5, "exclusiveMaximum": 0}, ["-0", "0"], ["-0.5", "-0.25"]),
+    ({"exclusiveMinimum": -3, "exclusiveMaximum": -2.5}, ["-3", "-2.5"], ["-2.75"]),
+]
+
+
+def _takes(backend, compiled, tokenizer, text: str) -> bool:
+    """The grammar takes all of ``text`` and may end there."""
+    matcher = backend.matcher(compiled)
+    if not matcher.accept_tokens(tokenizer.encode(text, add_special_tokens=False)):
+        return False
+    return matcher.is_terminated() or matcher.accept_tokens([backend.eos_token_ids[0]])
+
+
+@pytest.mark.parametrize("bounds, refused, accepted", EXCLUSIVE_CASES)
+def test_exclusive_integer_bound_near_the_other_bound_is_kept(
+    backend, smollm2_tokenizer, bounds, refused, accepted
+):
+    schema = {"type": "object", "properties": {"v": {"type": "number", **bounds}},
+              "required": ["v"], "additionalProperties": False}  # fmt: skip
+    compiled = backend.compile(StructuredOutputSpec.json_schema(schema))
+    for text in refused:
+        assert not _takes(backend, compiled, smollm2_tokenizer, f'{{"v": {text}}}'), text
+    for text in accepted:
+        assert _takes(backend, compiled, smollm2_tokenizer, f'{{"v": {text}}}'), text
+
+
+def test_rewrite_narrows_by_a_hair_and_only_where_needed():
+    fixed = fix_schema({"type": "number", "exclusiveMinimum": 40, "maximum": 40.5})
+    assert "exclusiveMinimum" not in fixed and 40 < fixed["minimum"] < 40.000001
+    fixed = fix_schema({"exclusiveMaximum": 0, "minimum": -0.5})
+    assert "exclusiveMaximum" not in fixed and -0.000001 < fixed["maximum"] < 0
+    untouched = [
+        {"type": "number", "exclusiveMinimum": 40, "maximum": 45},  # compiled right
+        {"type": "number", "exclusiveMinimum": 40.5, "maximum": 40.9},  # not an integer
+        {"type": "number", "exclusiveMinimum": 40},  # no other bound
+        {"type": "integer", "exclusiveMinimum": 40, "maximum": 40.5},
+        {"const": {"exclusiveMinimum": 1, "maximum": 1.5}},  # data, not a schema
+        {"enum": [{"exclusiveMaximum": 0, "minimum": -0.5}]},
+    ]
+    for schema in untouched:
+        assert fix_schema(schema) == schema
+    # Nested subschemas are rewritten; property order is kept; the input is not changed.
+    schema = {"type": "object", "properties": {"b": {"type": "string"},
+              "a": {"anyOf": [{"type": "number", "exclusiveMinimum": 1, "maximum": 1.5}]}}}  # fmt: skip
+    fixed = fix_schema(schema)
+    assert list(fixed["properties"]) == ["b", "a"]
+    assert "minimum" in fixed["properties"]["a"]["anyOf"][0]
+    assert "exclusiveMinimum" in schema["properties"]["a"]["anyOf"][0]

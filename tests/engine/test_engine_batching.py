@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import (
+    assert_no_leaks,
     build_llm,
+    drain,
     greedy,
     random_prompt,
     record_schedules,
@@ -188,8 +190,6 @@ def test_several_prompts_in_one_request_sample_as_separate_requests(tiny_qwen2_p
     """One engine request holding two prompts x n=2 (a completions call with a prompt list)
     gives each choice the tokens the same prompt gets as its own request; choices are
     numbered prompt_index * n + sample and the request finishes once, with its usage."""
-    from conftest import assert_no_leaks, drain, random_prompt, tiny_engine
-
     from tinyserve.engine.client import SyncEngine
     from tinyserve.sampling_params import SamplingParams
 

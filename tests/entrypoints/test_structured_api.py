@@ -60,16 +60,18 @@ def test_streamed_json_schema_and_completions_structured_outputs(server):
               "why": {"type": "string", "maxLength": 40}}, "required": ["answer", "why"]}  # fmt: skip
     body = {
         "model": MODEL, "messages": [{"role": "user", "content": "Is the sky blue?"}],
-        "max_tokens": 120, "stream": True,
+        "max_tokens": 200, "stream": True, "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
     }  # fmt: skip
-    text = ""
+    text, finish = "", None
     with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
                     text += c["delta"].get("content") or ""
+                    finish = c["finish_reason"] or finish
+    assert finish == "stop", text
     jsonschema.validate(json.loads(text), schema)
 
     body = {"model": MODEL, "prompt": ["Phone:", "Code:"], "n": 2, "max_tokens": 30,

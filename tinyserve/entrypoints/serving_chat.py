@@ -46,10 +46,15 @@ class ChatServing:
             if isinstance(content, list):
                 content = "\n".join(part.text for part in content)
             conversation.append({"role": m.role, "content": content or ""})
-        conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
+        kwargs: dict[str, Any] = {}
+        if tools and T.hermes_template(self.tokenizer):  # the template renders the tools
+            conversation = T.native_messages(conversation, messages)
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        else:
+            conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
         try:
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
             )
         except OpenAIError:
             raise
@@ -68,8 +73,13 @@ class ChatServing:
         if tools:
             if self.structured_outputs(req) is not None:
                 raise bad_request("tools: cannot be combined with response_format", "tools")
-            schema = T.envelope_schema(tools, req.tool_choice, req.parallel_tool_calls)
-            extra["structured_outputs"] = StructuredOutputsParams(json=schema, field="tools")
+            if T.hermes_template(self.tokenizer):
+                grammar = T.hermes_grammar(tools, req.tool_choice, req.parallel_tool_calls)
+                so = StructuredOutputsParams(grammar=grammar, field="tools") if grammar else None
+            else:
+                schema = T.envelope_schema(tools, req.tool_choice, req.parallel_tool_calls)
+                so = StructuredOutputsParams(json=schema, field="tools")
+            extra["structured_outputs"] = so
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
@@ -79,6 +89,11 @@ class ChatServing:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             **extra,
         )
+
+    def _parse_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+        if T.hermes_template(self.tokenizer):
+            return T.parse_native(text)
+        return T.parse_output(text)
 
     async def chat(self, req: P.ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -100,14 +115,15 @@ class ChatServing:
         stream = await self.add(request_id, [prompt_ids], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_stream(request_id, stream, params, include_usage, bool(tools))
+            parse = self._parse_tools if tools else None
+            events = self._chat_stream(request_id, stream, params, include_usage, parse)
             return sse(events, self.shutdown_grace_period)
         choices, usage = await until_disconnect(raw, collect(stream), stream)
         result_choices = []
         for i, c in enumerate(choices):
             content, calls, finish = c.text, [], c.finish_reason
             if tools and finish == "stop":
-                content, calls = T.parse_output(c.text)
+                content, calls = self._parse_tools(c.text)
                 finish = "tool_calls" if calls else finish
             logprobs = None
             if params.logprobs is not None:
@@ -133,7 +149,7 @@ class ChatServing:
         stream: OutputStream,
         params: SamplingParams,
         include_usage: bool,
-        with_tools: bool,
+        parse_tools,
     ) -> AsyncIterator[dict[str, Any]]:
         created = int(time.time())
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created}
@@ -151,10 +167,10 @@ class ChatServing:
         async for out in outputs(stream):
             usage = out.usage or usage
             fr = finish_reason_of(out)
-            if with_tools:
+            if parse_tools is not None:
                 held[out.index] = held.get(out.index, "") + out.text_delta
                 if fr is not None:
-                    for event in _tool_events(held.pop(out.index), fr):
+                    for event in _tool_events(held.pop(out.index), fr, parse_tools):
                         yield chunk(out.index, *event)
                 continue
             if not out.text_delta and fr is None and not out.logprobs:
@@ -170,10 +186,10 @@ class ChatServing:
             yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
 
 
-def _tool_events(text: str, finish_reason: str) -> list[tuple[dict, None, str | None]]:
+def _tool_events(text: str, finish_reason: str, parse) -> list[tuple[dict, None, str | None]]:
     """A finished choice's deltas: its content, or per call (OpenAI's shape) a first delta
     with index, id, type, name and empty arguments, then one with the arguments."""
-    content, calls = T.parse_output(text) if finish_reason == "stop" else (text, [])
+    content, calls = parse(text) if finish_reason == "stop" else (text, [])
     if not calls:
         return [({"content": content or ""}, None, None), ({}, None, finish_reason)]
     events = []

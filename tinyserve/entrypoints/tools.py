@@ -1,7 +1,13 @@
 """OpenAI function calling on any chat template, guaranteed by constrained decoding.
 
-The model is told the tools in a system message and answers in one JSON envelope, which a
-grammar enforces (as llama.cpp's generic handler does for templates without tool support):
+A chat template with Hermes-style tool support (Qwen2.5: ``tools`` rendered by the template,
+calls as ``<tool_call>{"name", "arguments"}</tool_call>``) is used natively: the template
+renders the tools and past calls, ``required`` / named choices are enforced by a grammar of
+``<tool_call>`` blocks whose JSON validates, and ``auto`` output is parsed for the blocks
+(and for a Llama-3 style bare ``{"name", "parameters"}`` call).
+
+Any other template gets the tools in a system message and answers in one JSON envelope, which
+a grammar enforces (as llama.cpp's generic handler does for templates without tool support):
 
     {"tool_calls": [{"name": "get_weather", "arguments": {...}}, ...]}   # a call
     {"content": "..."}                                                  # plain text
@@ -18,6 +24,7 @@ null, finish_reason ``tool_calls``) or ``message.content``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal
 
@@ -170,16 +177,74 @@ def parse_output(text: str) -> tuple[str | None, list[ToolCall]]:
     except ValueError:
         return text, []
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        calls = [
-            ToolCall(
-                id=f"call_{uuid.uuid4().hex[:24]}",
-                function=FunctionCall(
-                    name=c["name"], arguments=json.dumps(c["arguments"], ensure_ascii=False)
-                ),
-            )
-            for c in value["tool_calls"]
-        ]
-        return None, calls
+        return None, [_call(c["name"], c["arguments"]) for c in value["tool_calls"]]
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"], []
     return text, []
+
+
+# -- native (Hermes) templates -------------------------------------------------------------------
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def hermes_template(tokenizer) -> bool:
+    """The chat template renders ``tools`` and writes calls as ``<tool_call>`` blocks."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else json.dumps(template)
+    return "tools" in template and "<tool_call>" in template
+
+
+def native_messages(conversation: list[dict], messages) -> list[dict]:
+    """Past calls and tool results in the form tool-aware templates read."""
+    out = []
+    for turn, m in zip(conversation, messages, strict=True):
+        if m.role == "assistant" and getattr(m, "tool_calls", None):
+            calls = [{"type": "function", "id": c.id, "function": {
+                "name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                for c in m.tool_calls]  # fmt: skip
+            turn = {**turn, "tool_calls": calls}
+        elif m.role == "tool" and getattr(m, "tool_call_id", None):
+            turn = {**turn, "tool_call_id": m.tool_call_id}
+        out.append(turn)
+    return out
+
+
+def hermes_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> str | None:
+    """A Lark grammar of one or more ``<tool_call>`` blocks (None for ``auto``: free text)."""
+    if choice in (None, "auto"):
+        return None
+    call = envelope_schema(tools, choice, parallel)["properties"]["tool_calls"]["items"]
+    many = parallel and not isinstance(choice, NamedToolChoice)
+    return "\n".join([
+        'start: call ("\\n" call)*' if many else "start: call",
+        'call: "<tool_call>\\n" body "\\n</tool_call>"',
+        "body: %json " + json.dumps(call),
+    ])  # fmt: skip
+
+
+def parse_native(text: str) -> tuple[str | None, list[ToolCall]]:
+    """``<tool_call>`` blocks (or one bare Llama-3 JSON call) -> (content, tool calls)."""
+    calls, rest = [], text
+    for block in _HERMES_CALL.findall(text):
+        value = _loads(block)
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            calls.append(_call(value["name"], value.get("arguments", {})))
+    if calls:
+        rest = _HERMES_CALL.sub("", text).strip()
+        return rest or None, calls
+    value = _loads(text.strip())
+    if (
+        isinstance(value, dict)
+        and isinstance(value.get("name"), str)
+        and ("parameters" in value or "arguments" in value)
+    ):
+        return None, [_call(value["name"], value.get("parameters", value.get("arguments")))]
+    return text, []
+
+
+def _call(name: str, arguments: Any) -> ToolCall:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=args)
+    )

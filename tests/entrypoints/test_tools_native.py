@@ -1,0 +1,116 @@
+"""Tool calling with a template that supports tools (Hermes / Qwen2.5 style): the template
+renders the tools and past calls, forced calls come out as grammar-enforced ``<tool_call>``
+blocks that parse and validate, and the parsers read Hermes blocks and Llama-3 JSON calls.
+The model is a 2-layer random Llama with SmolLM2's tokenizer and this template."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tinyserve.config import ServerConfig
+from tinyserve.engine.arg_utils import EngineArgs
+from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.entrypoints import tools as T
+from tinyserve.testing.server import serve
+
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions.\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Return each call as <tool_call>{"name": <name>, "arguments": <args>}</tool_call>'
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- for tc in message.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hermes_server(smollm2_gguf_path, tmp_path_factory):
+    from tinyserve.models.default_model import tokenizer_dir_for
+    from tinyserve.testing.checkpoints import build_fuzz_model
+
+    path = build_fuzz_model(
+        tmp_path_factory.mktemp("hermes") / "m", tokenizer_dir_for(smollm2_gguf_path)
+    )
+    cfg = path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": HERMES}))
+    (path / "chat_template.jinja").write_text(HERMES)  # transformers 5 reads this one first
+    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=256))
+    assert T.hermes_template(engine.tokenizer)
+    with serve(AsyncEngine(engine), ServerConfig()) as s:
+        yield s
+
+
+def test_template_renders_tools_and_past_calls(hermes_server):
+    from tinyserve.entrypoints import protocol as P
+
+    serving = hermes_server.app.state.serving
+    call = T.ToolCall(
+        id="call_1", function=T.FunctionCall(name="get_weather", arguments='{"city": "Oslo"}')
+    )
+    messages = [
+        P.ChatMessage(role="user", content="Weather in Oslo?"),
+        P.ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        P.ChatMessage(role="tool", content='{"temp": 3}', tool_call_id="call_1"),
+    ]
+    tools = [T.Tool.model_validate(WEATHER)]
+    text = serving.tokenizer.decode(serving.chat_prompt_ids(messages, True, tools, "auto"))
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert '<tool_response>\n{"temp": 3}' in text
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_calls_are_hermes_blocks_that_validate(hermes_server, parallel):
+    with openai.OpenAI(base_url=hermes_server.url("/v1"), api_key="x", max_retries=0) as c:
+        for seed in range(3):
+            r = c.chat.completions.create(
+                model=hermes_server.async_engine.info.model_name,
+                messages=[{"role": "user", "content": "Weather and time?"}],
+                tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel,
+                max_tokens=200, temperature=1.0, seed=seed,
+            )  # fmt: skip
+            choice = r.choices[0]
+            if choice.finish_reason == "length":
+                continue  # a random model may fill max_tokens inside a string
+            assert choice.finish_reason == "tool_calls", choice
+            calls = choice.message.tool_calls
+            assert calls and (parallel or len(calls) == 1)
+            for call in calls:
+                spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+                jsonschema.validate(
+                    json.loads(call.function.arguments), spec["function"]["parameters"]
+                )
+
+
+def test_native_parsers():
+    content, calls = T.parse_native(
+        'Sure.<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    )
+    assert content == "Sure." and [c.function.name for c in calls] == ["a", "b"]
+    assert json.loads(calls[0].function.arguments) == {"x": 1}
+    content, calls = T.parse_native('{"name": "f", "parameters": {"q": "z"}}')  # Llama-3 JSON
+    assert content is None and calls[0].function.name == "f"
+    assert json.loads(calls[0].function.arguments) == {"q": "z"}
+    assert T.parse_native("plain text") == ("plain text", [])
+    assert T.parse_native("<tool_call>not json</tool_call>") == (
+        "<tool_call>not json</tool_call>",
+        [],
+    )

@@ -49,25 +49,6 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{self.field}: {name} must be a non-empty string")
 
-    @property
-    def kind(self) -> str:
-        for k in ("json", "regex", "choice", "grammar"):
-            if getattr(self, k) is not None:
-                return k
-        return "json_object"
-
-    @property
-    def value(self) -> str | None:
-        """The mode's value as text: a schema or a choice list as compact JSON."""
-        kind = self.kind
-        if kind == "json":
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            # Key order kept: the grammar emits properties in schema order.
-            return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-        if kind == "choice":
-            return json.dumps(list(self.choice or []))
-        return getattr(self, kind) if kind != "json_object" else None
-
 
 @dataclass
 class SamplingParams:

@@ -134,4 +134,8 @@ def test_structured_outputs_params_take_exactly_one_mode():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutputsParams(json="{")
-    assert StructuredOutputsParams(json='{"b": 1, "a": 2}').value == '{"b":1,"a":2}'
+    from tinyserve.engine.structured_output import StructuredOutputManager
+
+    so = StructuredOutputsParams(json='{"b": 1, "a": 2}', field="response_format")
+    spec = StructuredOutputManager._spec(SamplingParams(structured_outputs=so))
+    assert (spec.kind, spec.value, spec.field) == ("json", '{"b":1,"a":2}', "response_format")

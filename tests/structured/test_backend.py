@@ -9,6 +9,7 @@ import torch
 
 from tinyserve.structured.backend import GrammarBackend
 from tinyserve.structured.spec import StructuredOutputSpec
+from tinyserve.worker.sampler import apply_grammar_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -131,14 +132,12 @@ def test_bits_past_the_tokenizer_are_zero_and_masked(smollm2_tokenizer):
     matcher.fill_bitmask(bitmask, 1)
     assert _bits(bitmask, 1)[len(smollm2_tokenizer) :].sum() == 0
     logits = torch.zeros(3, width)
-    wide.apply_bitmask(logits, bitmask[1:], [2])
+    apply_grammar_bitmask(logits, torch.tensor([2]), bitmask[1:])
     assert torch.isinf(logits[2, len(smollm2_tokenizer) :]).all()
     assert not torch.isinf(logits[:2]).any()
 
 
 def test_apply_bitmask_matches_a_per_token_loop():
-    backend = GrammarBackend.__new__(GrammarBackend)  # apply_bitmask needs no tokenizer
-    backend._shifts = {}
     gen = torch.Generator().manual_seed(0)
     vocab = 100
     bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 4), dtype=torch.int32, generator=gen)
@@ -148,8 +147,29 @@ def test_apply_bitmask_matches_a_per_token_loop():
         for t in range(vocab):
             if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
                 expected[row, t] = float("-inf")
-    backend.apply_bitmask(logits, bitmask, [3, 1])
+    apply_grammar_bitmask(logits, torch.tensor([3, 1]), bitmask)
     assert torch.equal(logits, expected)
+
+
+def test_batched_fill_equals_the_per_row_fill(backend, smollm2_tokenizer):
+    """fill_bitmasks (one library call for the step's rows) writes what each matcher's own
+    fill_bitmask writes, at different states of different grammars."""
+    specs = [StructuredOutputSpec.json_schema({"type": "object", "properties": {
+        "a": {"type": "integer"}}}), StructuredOutputSpec.regex(r"[0-9]{2}-[a-z]+"),
+        StructuredOutputSpec.choice(["yes", "no"])]  # fmt: skip
+    prefixes = ['{"a": 1', "12-", "y"]
+    matchers = []
+    for spec, prefix in zip(specs, prefixes, strict=True):
+        for text in ("", prefix):
+            m = backend.matcher(backend.compile(spec))
+            assert m.accept_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
+            matchers.append(m)
+    batched = backend.allocate_bitmask(len(matchers))
+    backend.fill_bitmasks(matchers, batched)
+    one_by_one = backend.allocate_bitmask(len(matchers))
+    for row, m in enumerate(matchers):
+        m.fill_bitmask(one_by_one, row)
+    assert torch.equal(batched, one_by_one)
 
 
 @pytest.mark.parametrize(

@@ -98,17 +98,12 @@ def test_spec_keys_and_constructors():
     reordered = StructuredOutputSpec.json_schema({"properties": {}, "type": "object"})
     assert reordered.key != a.key  # property order is output order: a different grammar
     assert StructuredOutputSpec.choice(["x", "y"]).value == '["x","y"]'
-    assert StructuredOutputSpec.from_response_format({"type": "text"}) is None
-    assert StructuredOutputSpec.from_response_format({"type": "json_object"}).kind == "json_object"
-    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}}
-    assert StructuredOutputSpec.from_response_format(rf).value == '{"type":"string"}'
     for bad in [
         lambda: StructuredOutputSpec("xml", "x"),
         lambda: StructuredOutputSpec.json_schema("{not json"),
         lambda: StructuredOutputSpec.json_schema([1]),
         lambda: StructuredOutputSpec.choice([]),
         lambda: StructuredOutputSpec.regex(""),
-        lambda: StructuredOutputSpec.from_response_format({"type": "json_schema"}),
     ]:
         with pytest.raises(ValueError, match="^response_format: "):
             bad()

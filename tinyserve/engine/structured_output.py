@@ -77,8 +77,16 @@ class StructuredOutputManager:
     def _spec(params: SamplingParams):
         from tinyserve.structured.spec import StructuredOutputSpec
 
-        so = params.structured_outputs
-        return StructuredOutputSpec(so.kind, so.value or "", field=so.field)
+        so, spec = params.structured_outputs, StructuredOutputSpec
+        if so.json is not None:
+            return spec.json_schema(so.json, so.field)
+        if so.regex is not None:
+            return spec.regex(so.regex, so.field)
+        if so.choice is not None:
+            return spec.choice(so.choice, so.field)
+        if so.grammar is not None:
+            return spec.grammar(so.grammar, so.field)
+        return spec.json_object(so.field)
 
     def validate(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None and self.tokenizer is None:
@@ -113,7 +121,6 @@ class StructuredOutputManager:
         if not items:
             return
         bitmask = self._backend.allocate_bitmask(len(items))
-        for row, item in enumerate(items):
-            item.request.grammar.fill_bitmask(bitmask, row)
-            sched.grammar_rows[item.request.request_id] = row
+        self._backend.fill_bitmasks([it.request.grammar for it in items], bitmask)
+        sched.grammar_rows = {it.request.request_id: row for row, it in enumerate(items)}
         sched.grammar_bitmask = bitmask

@@ -6,7 +6,8 @@ shared; ``compile`` is thread-safe and runs on the compile pool (manager.py), ne
 engine thread. A ``CompiledGrammar`` is immutable and shared by every request with the same
 spec. A ``Matcher`` belongs to one request and is used by the engine thread only.
 
-Bitmasks are ``torch.int32 [rows, ceil(vocab_size / 32)]``: bit ``t % 32`` of word ``t // 32``
+Bitmasks are ``torch.int32 [rows, ceil(vocab_size / 32)]`` (applied to the logits by the
+sampler, worker/sampler.py ``apply_grammar_bitmask``): bit ``t % 32`` of word ``t // 32``
 is 1 when token ``t`` may be sampled next. Bits of ids the tokenizer does not have (the
 logits may be wider than the vocabulary) are always 0. EOS is allowed only where the grammar
 may end; once the grammar has ended, only EOS is.
@@ -125,7 +126,7 @@ class GrammarBackend:
         self.eos_token_ids = eos
         # n_vocab = the logits width: llguidance never allows ids past the tokenizer's own.
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._executor: llguidance.LLExecutor | None = None  # for fill_bitmasks, made once
 
     @property
     def bitmask_width(self) -> int:
@@ -176,31 +177,22 @@ class GrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
 
+    def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
+        """``matchers[i]``'s allowed set into ``bitmask[i]``, all rows in one call that the
+        library spreads over its threads (one step's constrained rows)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        rows = [(m._m, i) for i, m in enumerate(matchers)]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        for i, m in enumerate(matchers):
+            if m._m.is_error():
+                self.fill_eos_only(bitmask, i)
+
     def fill_eos_only(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].zero_()
         for t in self.eos_token_ids:
             word = bitmask[row, t // 32].item() | (1 << (t % 32))
             bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
-
-    def apply_bitmask(
-        self, logits: torch.Tensor, bitmask: torch.Tensor, row_indices: Sequence[int]
-    ) -> None:
-        """In place: ``logits[row_indices[i], t] = -inf`` where bit ``t`` of ``bitmask[i]``
-        is 0 (and for every column past the mask). ``logits``: ``[num_rows, V]``."""
-        n = len(row_indices)
-        if n == 0:
-            return
-        device = logits.device
-        rows = torch.as_tensor(list(row_indices), dtype=torch.long, device=device)  # [n]
-        words = bitmask[:n].to(device, non_blocking=True)  # [n, W]
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1).bool()  # [n, W * 32]
-        width = min(logits.shape[1], allowed.shape[1])
-        blocked = torch.ones(n, logits.shape[1], dtype=torch.bool, device=device)  # [n, V]
-        blocked[:, :width] = ~allowed[:, :width]
-        logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
 
 
 def _error_message(spec: StructuredOutputSpec, message: str) -> str:

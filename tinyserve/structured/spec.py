@@ -87,19 +87,3 @@ class StructuredOutputSpec:
     @classmethod
     def grammar(cls, text: str, field: str = DEFAULT_FIELD) -> StructuredOutputSpec:
         return cls("grammar", text, field)
-
-    @classmethod
-    def from_response_format(cls, response_format: dict) -> StructuredOutputSpec | None:
-        """OpenAI's ``response_format``: ``{"type": "text" | "json_object" | "json_schema",
-        "json_schema": {"name", "schema", "strict"}}``; None for plain text."""
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return cls.json_object()
-        if kind == "json_schema":
-            body = response_format.get("json_schema")
-            if not isinstance(body, dict) or "schema" not in body:
-                raise ValueError(f"{DEFAULT_FIELD}: json_schema.schema is required")
-            return cls.json_schema(body["schema"])
-        raise ValueError(f"{DEFAULT_FIELD}: unknown type {kind!r}")

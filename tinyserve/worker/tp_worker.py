@@ -102,8 +102,6 @@ class TPDriver:
         if not _bounded(self.group.destroy, wait=max(0.5, deadline - time.monotonic())):
             logger.warning("could not destroy the tensor-parallel process group in time")
 
-    close = shutdown
-
     def _reap(self, deadline: float) -> None:
         """Let the spawned workers exit until ``deadline`` (less 2.5 s), then terminate,
         then kill, those still alive, a second each."""

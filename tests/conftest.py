@@ -3,7 +3,20 @@ folder by scripts/fetch_default_model.sh (CI does this before the tests)."""
 
 from __future__ import annotations
 
+import faulthandler
+
 import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """On a crash (a segmentation fault in native code), print the crashing thread's Python
+    stack only: pytest's handler prints every thread, and CI's log keeps only the head and
+    tail of that, which cut the crashing frame out of stop 19's report."""
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    if fault_handler_stderr_fd_key in config.stash:
+        faulthandler.enable(file=config.stash[fault_handler_stderr_fd_key], all_threads=False)
 
 
 @pytest.fixture(scope="session")

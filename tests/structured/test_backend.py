@@ -152,7 +152,7 @@ def test_apply_bitmask_matches_a_per_token_loop():
 
 
 def test_batched_fill_equals_the_per_row_fill(backend, smollm2_tokenizer):
-    """fill_bitmasks (one library call for the step's rows) writes what each matcher's own
+    """fill_bitmasks (the step's rows in one call) writes what each matcher's own
     fill_bitmask writes, at different states of different grammars."""
     specs = [StructuredOutputSpec.json_schema({"type": "object", "properties": {
         "a": {"type": "integer"}}}), StructuredOutputSpec.regex(r"[0-9]{2}-[a-z]+"),

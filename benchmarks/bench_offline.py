@@ -195,7 +195,9 @@ def table_sim(
                 out = sched.schedule()
                 clock += step_fixed_ms + per_token_ms * out.num_batched_tokens
                 res = ModelRunnerOutput(
-                    sampled_token_ids={s.request.request_id: 7 for s in out.scheduled if s.samples}
+                    sampled_token_ids={
+                        s.request.request_id: [7] for s in out.scheduled if s.samples
+                    }
                 )
                 for req in sched.update_from_output(out, res):
                     ttft.setdefault(req.request_id, clock)

@@ -31,6 +31,7 @@ LAYERS = {
     "testing": 7,
     "entrypoints": 6,
     "engine": 5,
+    "spec_decode": 5,  # the proposer: the scheduler's side of speculative decoding, torch-free
     "worker": 4,
     "structured": 4,  # the grammar seam: engine imports it; it imports leaf modules and utils
     "models": 3,
@@ -53,6 +54,9 @@ TORCH_FREE = (
     "engine/output_processor.py",  # not written yet: a missing file has nothing to check
     "engine/detokenizer.py",
     "structured/spec.py",
+    "spec_decode/config.py",
+    "spec_decode/ngram.py",
+    "spec_decode/proposer.py",
 )
 HEAVY = ("torch", "numpy")
 

@@ -15,11 +15,15 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    # Speculative decoding: draft tokens verified this step, after the request's last token;
+    # counted in num_new_tokens (their K/V is computed, and kept only if they are accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """A request samples a token when this step brings it level with all its tokens."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """A request samples when this step brings it level with all its tokens."""
+        computed = self.request.num_computed_tokens + self.num_new_tokens
+        return computed - len(self.spec_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -57,10 +61,12 @@ class TokenLogprob:
 
 @dataclass
 class ModelRunnerOutput:
-    """One forward + sample: the new token of each request that sampled this step."""
+    """One forward + sample: the new tokens of each request that sampled this step — one,
+    or with speculative decoding its accepted drafts and then one more (the correction or
+    bonus token) — and their logprobs when asked for."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass

@@ -58,3 +58,12 @@ def test_generate_without_prompt_fails_cleanly(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n", encoding="utf-8")
     assert main(["generate", "--file", str(empty)]) == 2
+
+
+def test_a_bad_speculative_config_is_a_usage_error(capsys):
+    from tinyserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--speculative-config", '{"num_speculative_tokens": 0}', "hi"])
+    assert e.value.code == 2
+    assert "speculative_config: num_speculative_tokens must be" in capsys.readouterr().err

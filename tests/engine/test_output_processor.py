@@ -24,7 +24,7 @@ def _sample(children, runner_tokens: dict[str, int], finished: set[str] = frozen
             req.append_output_token(runner_tokens[req.request_id])
         if req.request_id in finished:
             req.status = RequestStatus.FINISHED_LENGTH
-    return ModelRunnerOutput(sampled_token_ids=dict(runner_tokens))
+    return ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in runner_tokens.items()})
 
 
 def test_fan_out_numbers_children_in_openai_order_and_counts_usage_once_per_prompt():

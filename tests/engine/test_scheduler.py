@@ -56,7 +56,7 @@ class FakeRunner:
             if s.samples:
                 rid = s.request.request_id
                 script = self.scripts.get(rid)
-                sampled[rid] = script.pop(0) if script else 1000 + s.request.num_output_tokens
+                sampled[rid] = [script.pop(0) if script else 1000 + s.request.num_output_tokens]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

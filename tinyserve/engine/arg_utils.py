@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from tinyserve.config import parse_size
+from tinyserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -28,6 +29,9 @@ class EngineArgs:
     quantization: str | None = None  # "int8": weight-only int8 for float checkpoints
     decode_activations: str = "float32"  # GGUF blocks: "int8" rounds decode activations
     fused_step: bool = True  # all layers in one C call (kernels/step.c) on the kernel path
+    # Speculative decoding (spec_decode/): vLLM's JSON, e.g. '{"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'.
+    speculative_config: str | dict | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -75,12 +79,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_kernel_args(parser, d)
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        type=_speculative_config,
+        help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(n-gram prompt lookup; lossless; off above max_batch_size running requests, "
+        "default 8)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
         default=d.tensor_parallel_size,
         help="split the model over N processes / devices (torch.distributed; see docs/scaling.md)",
     )
+
+
+def _speculative_config(text: str) -> str:
+    """Checked when the flags are parsed, so a bad value is a usage error, not a traceback."""
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:

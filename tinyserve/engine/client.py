@@ -45,6 +45,8 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding's counters (spec_decode/proposer.py SpecDecodeStats), or None.
+    spec_decode: object | None = None
 
 
 @dataclass(frozen=True)

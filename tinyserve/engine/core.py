@@ -18,6 +18,8 @@ from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyserve.request import Request, RequestStatus
+from tinyserve.spec_decode.config import SpeculativeConfig
+from tinyserve.spec_decode.proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             executor.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.proposer)
 
     def add_requests(self, requests: list[Request]) -> None:
         for req in requests:
@@ -108,4 +112,5 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             prompt_tokens_total=sched.prompt_tokens_total,
             generation_tokens_total=sched.generation_tokens_total,
+            spec_decode=self.proposer.stats if self.proposer is not None else None,
         )

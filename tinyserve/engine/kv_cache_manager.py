@@ -215,6 +215,21 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free_queue[block_id] = None
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks wholly past ``request.num_tokens`` (slots taken for
+        speculative drafts that were rejected). They were never hashed: ``allocate_slots``
+        registers only blocks full of the request's own tokens, never of drafts."""
+        table = self.req_to_blocks.get(request.request_id)
+        if not table:
+            return
+        keep = -(-request.num_tokens // self.block_size)
+        chain = self._req_to_chain[request.request_id]
+        while len(table) > max(keep, len(chain.hashes)):
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue[block.block_id] = None
+
     # -- internals ---------------------------------------------------------------------------
 
     def _register_full_blocks(

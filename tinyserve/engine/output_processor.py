@@ -152,19 +152,22 @@ class OutputProcessor:
         self, parent: ParentRequest, req: Request, runner_out: ModelRunnerOutput, stops: list[str]
     ) -> StepOutput:
         rid = req.request_id
-        token = runner_out.sampled_token_ids.get(rid)
-        new_ids = [token] if token is not None else []
+        new_ids = list(runner_out.sampled_token_ids.get(rid, ()))
         finish_reason = req.status.finish_reason if req.is_finished else None
         stop_reason = req.stop_reason
         text_delta = ""
+        num_output = req.num_output_tokens
         detok = parent.detokenizers.get(rid)
         if detok is not None:
-            text_delta, stop_str = detok.update(new_ids, finished=req.is_finished)
+            text_delta, stop_str, used = _detokenize(detok, new_ids, req.is_finished)
             if stop_str is not None:
                 if not req.is_finished:
                     stops.append(rid)
                 finish_reason, stop_reason = "stop", stop_str
-        lp = runner_out.logprobs.get(rid)
+                # A stop string inside a speculative run: the tokens after it never happened.
+                num_output -= len(new_ids) - used
+                new_ids = new_ids[:used]
+        lps = runner_out.logprobs.get(rid, [])[: len(new_ids)]
         parent.usage.completion_tokens += len(new_ids)
         parent.usage.cached_tokens = max(parent.usage.cached_tokens, req.num_cached_tokens)
         return StepOutput(
@@ -174,9 +177,9 @@ class OutputProcessor:
             new_token_ids=new_ids,
             text_delta=text_delta,
             finish_reason=finish_reason,
-            logprobs=[lp] if lp is not None else [],
+            logprobs=lps,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
         )
@@ -205,3 +208,19 @@ class OutputProcessor:
             del self.parents[parent.request_id]
             out.request_finished = True
             out.usage = parent.usage
+
+
+def _detokenize(detok, token_ids: list[int], finished: bool) -> tuple[str, str | None, int]:
+    """Feed a step's tokens one at a time (several with speculative decoding), so a stop
+    string ends the output at the token that completes it, as in plain decoding. Returns
+    (text delta, the stop string or None, how many tokens were used)."""
+    if len(token_ids) <= 1:
+        delta, stop_str = detok.update(token_ids, finished=finished)
+        return delta, stop_str, len(token_ids)
+    parts = []
+    for i, token_id in enumerate(token_ids):
+        delta, stop_str = detok.update([token_id], finished=finished and i == len(token_ids) - 1)
+        parts.append(delta)
+        if stop_str is not None:
+            return "".join(parts), stop_str, i + 1
+    return "".join(parts), None, len(token_ids)

@@ -18,6 +18,7 @@ from tinyserve.config import SchedulerConfig
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tinyserve.request import Request, RequestStatus
+from tinyserve.spec_decode.proposer import NgramProposer
 
 
 class Scheduler:
@@ -30,9 +31,16 @@ class Scheduler:
     when nothing is running, so a batch (gang) runs until all of it finishes.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        proposer: NgramProposer | None = None,
+    ):
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
+        # Speculative decoding (spec_decode/proposer.py): drafts for decoding requests.
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Every unfinished request, waiting or running.
@@ -85,7 +93,11 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            drafts = self._drafts(request, num_new, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+            if block_ids is None and drafts:  # drafts never cost another request its blocks
+                drafts = []
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -95,7 +107,8 @@ class Scheduler:
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break  # the request was itself the last one: nothing after it runs
-            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            num_new += len(drafts)
+            scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts))
             budget -= num_new
             index += 1
 
@@ -119,7 +132,6 @@ class Scheduler:
         """
         changed = self._failed_in_schedule
         self._failed_in_schedule = []
-        self.generation_tokens_total += len(runner_output.sampled_token_ids)
         for item in scheduler_output.scheduled:
             request = item.request
             if self.requests.get(request.request_id) is not request or request.is_finished:
@@ -129,20 +141,43 @@ class Scheduler:
                 0, min(done + item.num_new_tokens, request.num_prompt_tokens) - done
             )
             request.num_computed_tokens += item.num_new_tokens
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            token_ids = runner_output.sampled_token_ids.get(request.request_id)
+            if not token_ids:
                 continue
+            if item.spec_token_ids:
+                self._verified(request, item, len(token_ids) - 1)
+            self._append(request, token_ids)
+            if item.spec_token_ids and not request.is_finished:
+                self.kv_cache_manager.trim(request)
+            changed.append(request)
+        return changed
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Speculative drafts for a request that decodes one token this step, or []."""
+        if self.proposer is None or num_new != 1:
+            return []
+        return self.proposer.drafts(request, budget, len(self.running))
+
+    def _verified(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
+        """Rejected drafts' K/V is not kept: the computed count moves back over them."""
+        num_drafted = len(item.spec_token_ids)
+        request.num_computed_tokens -= num_drafted - num_accepted
+        self.proposer.record(request.request_id, num_drafted, num_accepted)
+
+    def _append(self, request: Request, token_ids: list[int]) -> None:
+        """Append the step's tokens one at a time with the stop checks after each: nothing
+        past a stop (or a token the grammar rejects) is kept."""
+        for token_id in token_ids:
             request.append_output_token(token_id)
+            self.generation_tokens_total += 1
             if request.grammar is not None and not request.grammar.accept_tokens([token_id]):
                 request.error = f"the grammar rejected token {token_id}"
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                changed.append(request)
-                continue
+                return
             status = check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
-            changed.append(request)
-        return changed
+                return
 
     # -- leaving early -----------------------------------------------------------------------
 
@@ -211,10 +246,14 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Take ``request`` out of wherever it is and give back all its blocks."""
-        _remove_identical(self.running, request)
-        _remove_identical(self.waiting, request)
+        # Only the queue it is in: scanning a long waiting queue for every finished request
+        # would make draining N queued requests O(N^2).
+        running = request.status == RequestStatus.RUNNING
+        _remove_identical(self.running if running else self.waiting, request)
         request.status = status
         self.kv_cache_manager.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
 

@@ -77,6 +77,27 @@ class _EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Preemptions (by recompute).", s.num_preemptions)
         yield counter("prompt_tokens", "Prefill tokens computed.", s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s.spec_decode, counter, labels, value)
+
+
+def _spec_decode_metrics(spec, counter, labels: list[str], value: list[str]) -> Iterator[Metric]:
+    """vLLM's ``spec_decode_*`` counters (speculative decoding on)."""
+    yield counter(
+        "spec_decode_num_drafts", "Requests' steps verified with drafts.", spec.num_drafts
+    )
+    yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+    yield counter(
+        "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens
+    )
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft.",
+        labels=[*labels, "position"],
+    )
+    for pos, n in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([*value, str(pos)], n)
+    yield per_pos
 
 
 class ServerMetrics:

@@ -74,38 +74,47 @@ class ModelRunner:
         num_decode_seqs = sum(1 for prompt, _ in flagged if not prompt)
         decode_rows = 0  # logits rows of decoding sequences (the first ones)
         for prompt, item in flagged:
-            req = item.request
+            req, spec = item.request, item.spec_token_ids
             start = req.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(req.all_token_ids[start : end - len(spec)])
+            input_ids.extend(spec)  # drafts after the last token: verified by this forward
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             block_tables.append(item.block_ids)
             if item.samples:
-                logits_indices.append(len(input_ids) - 1)
-                sampling.append(req)
-                decode_rows += not prompt
+                n = 1 + len(spec)  # one logits row per draft, and one after the last
+                logits_indices.extend(range(len(input_ids) - n, len(input_ids)))
+                sampling.append((req, spec))
+                decode_rows += 0 if prompt else n
         step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs)
         hidden = self.forward(step)  # [num_tokens, hidden]
         if not sampling:
             return ModelRunnerOutput()
         idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_sampling, vocab]
-        rows = [
-            SamplingRow(
-                params=req.sampling_params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids,
-                generator=self._generator(req),
-                eos_token_ids=req.eos_token_ids,
-                grammar_bitmask=_grammar_row(sched, req.request_id),
-            )
-            for req in sampling
-        ]
+        logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_rows, vocab]
+        rows = [row for req, spec in sampling for row in self._rows(sched, req, spec)]
         smeta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         out = self.sampler(logits, smeta)
         return self._to_host(sampling, out)
+
+    def _rows(self, sched: SchedulerOutput, req, spec: list[int]) -> list[SamplingRow]:
+        """A request's sampling rows: one, or with drafts one per position, each with the
+        history plain decoding would have there (penalties and min_tokens see the drafts
+        before it)."""
+        generator = self._generator(req)
+        return [
+            SamplingRow(
+                params=req.sampling_params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids + spec[:j] if j else req.output_token_ids,
+                generator=generator,
+                eos_token_ids=req.eos_token_ids,
+                grammar_bitmask=_grammar_row(sched, req.request_id) if j == 0 else None,
+            )
+            for j in range(1 + len(spec))
+        ]
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
@@ -145,24 +154,35 @@ class ModelRunner:
 
     @staticmethod
     def _to_host(sampling: list, out) -> ModelRunnerOutput:
-        # The one device->host copy per step (plus the logprob tensors when asked for).
+        """The one device->host copy per step (plus the logprob tensors when asked for).
+
+        Verification: row j of a request with drafts sampled ``y_j`` from exactly the
+        distribution plain decoding would use after ``drafts[:j]``. The drafts are kept while
+        ``y_j == drafts[j]``, and the first ``y_j`` that differs (or the bonus row's) is the
+        next token. With a point-mass proposer this is the standard acceptance rule: draft x
+        is accepted with probability p(x), and on rejection the token is drawn from p with x
+        removed and renormalised. Greedy: kept while the draft is the argmax."""
         tokens = out.sampled_token_ids.tolist()
-        result = ModelRunnerOutput(
-            sampled_token_ids={req.request_id: t for req, t in zip(sampling, tokens, strict=True)}
-        )
+        lps = top_ids = top_lps = None
         if out.logprobs is not None:
-            lps = out.logprobs.tolist()
-            top_ids = out.top_token_ids.tolist()
+            lps, top_ids = out.logprobs.tolist(), out.top_token_ids.tolist()
             top_lps = out.top_logprobs.tolist()
-            for i, req in enumerate(sampling):
-                k = req.sampling_params.logprobs
-                if k is None:
-                    continue
-                result.logprobs[req.request_id] = TokenLogprob(
-                    token_id=tokens[i],
-                    logprob=lps[i],
-                    top=list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)),
-                )
+        result = ModelRunnerOutput()
+        row = 0
+        for req, spec in sampling:
+            ys = tokens[row : row + 1 + len(spec)]
+            kept = 0
+            while kept < len(spec) and ys[kept] == spec[kept]:
+                kept += 1
+            result.sampled_token_ids[req.request_id] = ys[: kept + 1]
+            k = req.sampling_params.logprobs
+            if lps is not None and k is not None:
+                result.logprobs[req.request_id] = [
+                    TokenLogprob(ys[j], lps[row + j], list(zip(top_ids[row + j][:k],
+                                 top_lps[row + j][:k], strict=True)))
+                    for j in range(kept + 1)
+                ]  # fmt: skip
+            row += 1 + len(spec)
         return result
 
 

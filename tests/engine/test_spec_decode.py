@@ -1,0 +1,153 @@
+"""Speculative decoding through the whole engine (SmolLM2, CPU kernels, fp32): lossless for
+greedy requests — token-identical to plain decoding alone and batched, with stop strings,
+max_tokens cut inside an accepted run, prefix-cache hits, preemption and aborts — with
+nothing leaked and no block hashed past a request's verified tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import (
+    CORPUS,
+    assert_no_leaks,
+    build_engine,
+    drain,
+    run_alone,
+    run_batch,
+    text_prompts,
+)
+
+from tinyserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2, "max_batch_size": 64}  # fmt: skip
+
+
+def _grounded(tokenizer, n: int) -> list[list[int]]:
+    """Prompts that carry a passage and ask for it back: the output repeats the input."""
+    words = CORPUS.split()
+    prompts = []
+    for i in range(n):
+        start = (i * 37) % (len(words) - 60)
+        passage = " ".join(words[start : start + 40 + i % 20])
+        text = f"Copy this text exactly:\n{passage}\nCopy:\n{passage[: 20 + i]}"
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def _requests(tokenizer) -> list[tuple[str, list[int], SamplingParams]]:
+    """50 greedy requests: 30 grounded, 20 cut from the corpus; varied max_tokens (so some
+    end inside an accepted run), some with stop strings, some with EOS allowed."""
+    prompts = _grounded(tokenizer, 30) + text_prompts(tokenizer, [8 + 3 * i for i in range(20)])
+    rng = random.Random(0)
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        kw = {"temperature": 0.0, "max_tokens": rng.randint(5, 40), "ignore_eos": i % 3 != 0}
+        if i % 4 == 1:
+            kw["stop"] = [" the", "."]
+        if i % 7 == 2:
+            kw["logprobs"] = 2
+        reqs.append((f"r{i}", prompt, SamplingParams(**kw)))
+    return reqs
+
+
+def _outputs(collector, reqs) -> dict[str, tuple]:
+    out = {}
+    for rid, _, _ in reqs:
+        c = collector[rid]
+        lps = [(lp.token_id, round(lp.logprob, 4)) for lp in c.logprobs]
+        out[rid] = (c.token_ids, c.text, c.finish_reason, c.stop_reason, lps)
+    return out
+
+
+def _engine(smol_path, spec, **kw):
+    kw = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 64, **kw}
+    return build_engine(model=smol_path, speculative_config=spec, **kw)
+
+
+def _hashed_tokens_are_real(engine) -> None:
+    """Every hashed block of a live request holds that request's own tokens."""
+    kv, sched = engine.core.kv_cache_manager, engine.core.scheduler
+    for rid, table in kv.req_to_blocks.items():
+        req = sched.requests[rid]
+        for i, block_id in enumerate(table):
+            block = kv.blocks[block_id]
+            if block.token_ids is not None:
+                assert (i + 1) * kv.block_size <= req.num_computed_tokens
+                assert list(block.token_ids) == req.all_token_ids[i * 16 : (i + 1) * 16]
+
+
+def test_greedy_is_token_identical_batched_alone_and_on_prefix_hits(smol_path):
+    plain = _engine(smol_path, None)
+    reqs = _requests(plain.tokenizer)
+    reference = _outputs(run_batch(plain, reqs), reqs)
+    assert_no_leaks(plain)
+
+    spec = _engine(smol_path, SPEC)
+    assert _outputs(run_batch(spec, reqs), reqs) == reference  # batched
+    again = reqs[::5]
+    hits = spec.core.kv_cache_manager.prefix_cache_hits
+    assert _outputs(run_batch(spec, again), again) == {r: reference[r] for r, _, _ in again}
+    assert spec.core.kv_cache_manager.prefix_cache_hits > hits  # prefix-cache hits
+    alone = reqs[:3] + reqs[30:32]
+    assert _outputs(run_alone(spec, alone), alone) == {r: reference[r] for r, _, _ in alone}
+    stats = spec.core.proposer.stats
+    assert stats.num_accepted_tokens > 200, stats  # the grounded prompts were sped up
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # and some drafts failed
+    assert_no_leaks(spec)
+
+
+def test_greedy_identical_under_preemption_and_no_stale_hashes(smol_path):
+    plain = _engine(smol_path, None, num_blocks=512)
+    reqs = [(r, p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+            for r, p, _ in _requests(plain.tokenizer)[:12]]  # fmt: skip
+    reference = _outputs(run_batch(plain, reqs), reqs)
+    spec = _engine(smol_path, SPEC, num_blocks=40)  # 640 slots for 12 requests: preemption
+    for rid, prompt, params in reqs:
+        spec.add_request(rid, prompt, params)
+    from conftest import Collector
+
+    collector = Collector()
+    while spec.has_unfinished():
+        collector.feed(spec.step())
+        _hashed_tokens_are_real(spec)
+    assert spec.core.scheduler.num_preemptions > 0
+    assert _outputs(collector, reqs) == reference
+    assert_no_leaks(spec)
+
+
+def test_random_aborts_during_verification_leak_nothing(smol_path):
+    spec = _engine(smol_path, SPEC, num_blocks=64)
+    reqs = _requests(spec.tokenizer)[:20]
+    rng = random.Random(3)
+    for rid, prompt, params in reqs:
+        spec.add_request(rid, prompt, params)
+    live = {rid for rid, _, _ in reqs}
+    while spec.has_unfinished():
+        for out in spec.step():
+            if out.finished:
+                live.discard(out.request_id)
+        _hashed_tokens_are_real(spec)
+        if live and rng.random() < 0.3:
+            victim = rng.choice(sorted(live))
+            spec.abort(victim)
+            live.discard(victim)
+    assert spec.core.proposer.stats.num_drafts > 0
+    assert_no_leaks(spec)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(smol_path):
+    prompts = _grounded(_engine(smol_path, None).tokenizer, 4)
+
+    def run():
+        engine = _engine(smol_path, SPEC)
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, n=2)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, params)
+        out = drain(engine)
+        return {k: [c.token_ids for _, c in sorted(v.items())] for k, v in out.choices.items()}
+
+    assert run() == run()

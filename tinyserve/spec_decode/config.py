@@ -1,0 +1,66 @@
+"""``--speculative-config``: vLLM's vocabulary for n-gram prompt lookup. Torch-free.
+
+``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+"prompt_lookup_min": 2}``, as JSON text (the CLI) or a dict (``LLM(speculative_config=...)``).
+The adaptive policy's knobs (ours, not vLLM's) are ``max_batch_size`` and
+``min_acceptance_rate``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+_FIELD = "speculative_config"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Adaptive policy (spec_decode/proposer.py): no drafts in a step with more running
+    # requests than this, and none for a request whose recent acceptance fell below this.
+    max_batch_size: int = 8
+    min_acceptance_rate: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"{_FIELD}: method must be 'ngram', got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_FIELD}: {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"{_FIELD}: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"{_FIELD}: num_speculative_tokens must be <= 16")
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"{_FIELD}: max_batch_size must be an integer >= 1")
+        if not 0.0 <= float(self.min_acceptance_rate) <= 1.0:
+            raise ValueError(f"{_FIELD}: min_acceptance_rate must be in [0, 1]")
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """JSON text, a dict, a config or None (speculation off). Raises ValueError naming
+        the field for anything else."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_FIELD}: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{_FIELD}: must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"{_FIELD}: unknown key(s) {', '.join(map(repr, unknown))}")
+        return cls(**value)

@@ -144,8 +144,40 @@ def make_workload(name: str, num_requests: int, seed: int, salt: str = "") -> li
         for _ in range(num_requests):
             text = head + "Summarize these notes: " + _filler(rng, 1250)
             reqs.append(BenchRequest([{"role": "user", "content": text}], text, 32))
+    elif name == "grounded":
+        reqs = _grounded(rng, num_requests, head)
     else:
-        raise ValueError(f"unknown workload {name!r}: use mixed, shared_prefix or long_prompt")
+        raise ValueError(
+            f"unknown workload {name!r}: use mixed, shared_prefix, long_prompt or grounded"
+        )
+    return reqs
+
+
+_GROUNDED_ASKS = [
+    "Repeat this code exactly, without any changes:",
+    "Rewrite this code with the variable names unchanged, adding a short comment above "
+    "each function:",
+    "Quote the first two functions of this code verbatim:",
+    "Copy this code and fix any typo you find, changing nothing else:",
+]
+
+
+def _grounded(rng: random.Random, num_requests: int, head: str) -> list[BenchRequest]:
+    """Input-grounded requests (speculative decoding's case): a ~300-token passage of
+    Python (cut from tinyserve's own sources, at a line boundary) with an instruction to
+    repeat, lightly edit or quote it."""
+    root = Path(__file__).resolve().parent.parent / "tinyserve"
+    sources = sorted(root.rglob("*.py"))
+    reqs = []
+    for _ in range(num_requests):
+        lines = []
+        while sum(len(x) for x in lines) < 1000:
+            text = rng.choice(sources).read_text(encoding="utf-8").splitlines(keepends=True)
+            start = rng.randrange(max(1, len(text) - 40))
+            lines = text[start : start + 40]
+        passage = "".join(lines)[:1200]
+        ask = head + rng.choice(_GROUNDED_ASKS) + "\n\n```python\n" + passage + "\n```"
+        reqs.append(BenchRequest([{"role": "user", "content": ask}], ask, rng.randint(128, 256)))
     return reqs
 
 
@@ -327,7 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8321")
     p.add_argument("--model", default=None, help="default: the first id from /v1/models")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    p.add_argument("--workload", choices=["mixed", "shared_prefix", "long_prompt"], default="mixed")
+    p.add_argument(
+        "--workload",
+        choices=["mixed", "shared_prefix", "long_prompt", "grounded"],
+        default="mixed",
+    )
     p.add_argument("--num-requests", type=int, default=64)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--concurrency", type=int, default=None)

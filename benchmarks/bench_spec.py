@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Speculative decoding on vs off, served, side by side in one run (issue 14's targets).
+
+Two ``tinyserve serve`` processes on the default model, one with ``--speculative-config``
+and one without, run the same workloads (bench_serving.py: ``grounded`` — a ~350-token
+passage of code to repeat, edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
+server at a time, the order alternating each repetition (off/on, on/off, ...). Greedy, as
+bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio on/off,
+and from /metrics the acceptance rate and output tokens per verified draft step.
+
+python benchmarks/bench_spec.py [--reps 2] [--out benchmarks/results/spec_decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving  # noqa: E402
+from machine import machine_info  # noqa: E402
+
+from tinyserve.testing.server import start_server, wait_idle  # noqa: E402
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+CELLS = [("grounded", 1, 6), ("grounded", 8, 16), ("grounded", 32, 32),
+         ("mixed", 1, 6), ("mixed", 8, 16), ("mixed", 32, 32)]  # fmt: skip
+
+
+def spec_counters(base_url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tinyserve:spec_decode_num_") and "_created" not in line:
+            name, value = line.rsplit(" ", 1)
+            if "per_pos" not in name:
+                out[name.split("{")[0].removeprefix("tinyserve:spec_decode_")] = float(value)
+    return out
+
+
+def one_run(base_url: str, workload: str, concurrency: int, n: int) -> dict:
+    ns = bench_serving.build_parser().parse_args(
+        [
+            "--base-url",
+            base_url,
+            "--workload",
+            workload,
+            "--concurrency",
+            str(concurrency),
+            "--num-requests",
+            str(n),
+            "--no-progress",
+        ]  # fmt: skip
+    )
+    return asyncio.run(bench_serving.run_benchmark(ns))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/spec_decode.json")
+    p.add_argument("--extra-args", default="", help="more `serve` flags for both servers")
+    args = p.parse_args()
+    common = ["--max-num-seqs", "32", *args.extra_args.split()]
+    logs = Path(tempfile.mkdtemp(prefix="bench_spec_"))
+    servers = {
+        "off": start_server(common, logs / "off.log"),
+        "on": start_server([*common, "--speculative-config", SPEC], logs / "on.log"),
+    }
+    results = []
+    try:
+        for workload, conc, n in CELLS:
+            cell = {"workload": workload, "concurrency": conc, "num_requests": n, "runs": []}
+            for rep in range(args.reps):
+                for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                    url = servers[mode].base_url
+                    wait_idle(url)
+                    before = spec_counters(url)
+                    s = one_run(url, workload, conc, n)
+                    after = spec_counters(url)
+                    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+                    cell["runs"].append({"mode": mode, "rep": rep, "output_tok_s": s["output_tok_s"],
+                                         "tpot_median_s": s["tpot_s"]["median"],
+                                         "completed": s["completed"], "spec": delta})  # fmt: skip
+                    print(f"{workload} c={conc} {mode} rep {rep}: {s['output_tok_s']:.1f} tok/s "
+                          f"{delta}", flush=True)  # fmt: skip
+            results.append(summarize(cell))
+    finally:
+        for s in servers.values():
+            s.stop()
+    report = {"machine": machine_info(), "speculative_config": SPEC, "cells": results}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    for c in results:
+        print(f"{c['workload']:>8} c={c['concurrency']:>2}: off {c['off_tok_s']:.1f}  on "
+              f"{c['on_tok_s']:.1f}  ratio {c['ratio']:.2f}  acceptance {c['acceptance']}"
+              f"  tokens/draft step {c['tokens_per_draft_step']}")  # fmt: skip
+    return 0
+
+
+def summarize(cell: dict) -> dict:
+    runs = cell["runs"]
+    med = {m: statistics.median(r["output_tok_s"] for r in runs if r["mode"] == m)
+           for m in ("off", "on")}  # fmt: skip
+    spec = [r["spec"] for r in runs if r["mode"] == "on"]
+    drafts = sum(d.get("num_drafts_total", 0) for d in spec)
+    proposed = sum(d.get("num_draft_tokens_total", 0) for d in spec)
+    accepted = sum(d.get("num_accepted_tokens_total", 0) for d in spec)
+    cell.update(off_tok_s=med["off"], on_tok_s=med["on"], ratio=med["on"] / med["off"],
+                acceptance=round(accepted / proposed, 3) if proposed else None,
+                tokens_per_draft_step=round(1 + accepted / drafts, 2) if drafts else None,
+                drafts=drafts)  # fmt: skip
+    return cell
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -151,27 +151,6 @@ def test_apply_bitmask_matches_a_per_token_loop():
     assert torch.equal(logits, expected)
 
 
-def test_batched_fill_equals_the_per_row_fill(backend, smollm2_tokenizer):
-    """fill_bitmasks (the step's rows in one call) writes what each matcher's own
-    fill_bitmask writes, at different states of different grammars."""
-    specs = [StructuredOutputSpec.json_schema({"type": "object", "properties": {
-        "a": {"type": "integer"}}}), StructuredOutputSpec.regex(r"[0-9]{2}-[a-z]+"),
-        StructuredOutputSpec.choice(["yes", "no"])]  # fmt: skip
-    prefixes = ['{"a": 1', "12-", "y"]
-    matchers = []
-    for spec, prefix in zip(specs, prefixes, strict=True):
-        for text in ("", prefix):
-            m = backend.matcher(backend.compile(spec))
-            assert m.accept_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
-            matchers.append(m)
-    batched = backend.allocate_bitmask(len(matchers))
-    backend.fill_bitmasks(matchers, batched)
-    one_by_one = backend.allocate_bitmask(len(matchers))
-    for row, m in enumerate(matchers):
-        m.fill_bitmask(one_by_one, row)
-    assert torch.equal(batched, one_by_one)
-
-
 @pytest.mark.parametrize(
     "spec, message",
     [

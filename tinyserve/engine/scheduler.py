@@ -125,7 +125,9 @@ class Scheduler:
     ) -> list[Request]:
         """Advance the scheduled requests, append sampled tokens, run the stop checks.
 
-        Returns the requests that got a new token or finished this step, plus any that
+        With speculative decoding a request may get several tokens; those past a stop are
+        dropped from ``runner_output`` too, so it says what was kept. Returns the requests
+        that got a new token or finished this step, plus any that
         ``schedule()`` failed (too long for the whole KV cache), so the engine must call this
         after every ``schedule()``, even an empty one. Requests that finished or were aborted
         since ``schedule()`` are skipped.
@@ -146,7 +148,9 @@ class Scheduler:
                 continue
             if item.spec_token_ids:
                 self._verified(request, item, len(token_ids) - 1)
-            self._append(request, token_ids)
+            kept = self._append(request, token_ids)
+            if kept < len(token_ids):  # a stop inside a speculative run: the rest never was
+                runner_output.sampled_token_ids[request.request_id] = token_ids[:kept]
             if item.spec_token_ids and not request.is_finished:
                 self.kv_cache_manager.trim(request)
             changed.append(request)
@@ -164,20 +168,21 @@ class Scheduler:
         request.num_computed_tokens -= num_drafted - num_accepted
         self.proposer.record(request.request_id, num_drafted, num_accepted)
 
-    def _append(self, request: Request, token_ids: list[int]) -> None:
+    def _append(self, request: Request, token_ids: list[int]) -> int:
         """Append the step's tokens one at a time with the stop checks after each: nothing
-        past a stop (or a token the grammar rejects) is kept."""
-        for token_id in token_ids:
+        past a stop (or a token the grammar rejects) is kept. Returns how many were kept."""
+        for kept, token_id in enumerate(token_ids, start=1):
             request.append_output_token(token_id)
             self.generation_tokens_total += 1
             if request.grammar is not None and not request.grammar.accept_tokens([token_id]):
                 request.error = f"the grammar rejected token {token_id}"
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                return
+                return kept
             status = check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
-                return
+                return kept
+        return len(token_ids)
 
     # -- leaving early -----------------------------------------------------------------------
 

@@ -116,11 +116,31 @@ class StructuredOutputManager:
             req.grammar = self._backend.matcher(compiled)
 
     def fill_bitmask(self, sched: SchedulerOutput) -> None:
-        """One allowed-token bitmask row per constrained request that samples this step."""
+        """One allowed-token bitmask row per constrained request that samples this step, and
+        with speculative drafts one per verified position (``grammar_rows`` holds the first):
+        row j is the mask after the first j drafts (a fork of the matcher is advanced over
+        them). Past a draft the grammar rejects, rows are never used (that draft's
+        own row forbids it, so verification stops there) and repeat the last real one."""
         items = [it for it in sched.scheduled if it.samples and it.request.grammar is not None]
         if not items:
             return
-        bitmask = self._backend.allocate_bitmask(len(items))
-        self._backend.fill_bitmasks([it.request.grammar for it in items], bitmask)
-        sched.grammar_rows = {it.request.request_id: row for row, it in enumerate(items)}
+        num_rows = sum(1 + len(it.spec_token_ids) for it in items)
+        bitmask = self._backend.allocate_bitmask(num_rows)
+        rows, row = {}, 0
+        for it in items:
+            rows[it.request.request_id] = row
+            _fill_with_drafts(it.request.grammar, it.spec_token_ids, bitmask, row)
+            row += 1 + len(it.spec_token_ids)
+        sched.grammar_rows = rows
         sched.grammar_bitmask = bitmask
+
+
+def _fill_with_drafts(grammar, drafts: list[int], bitmask, row: int) -> None:
+    grammar.fill_bitmask(bitmask, row)
+    ahead = grammar.fork() if drafts else None  # the request's own matcher stays put
+    for j, token_id in enumerate(drafts, start=1):
+        if ahead is not None and ahead.accept_tokens([token_id]):
+            ahead.fill_bitmask(bitmask, row + j)
+        else:
+            ahead = None
+            bitmask[row + j] = bitmask[row + j - 1]

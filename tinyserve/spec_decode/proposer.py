@@ -13,7 +13,8 @@ the weights, i.e. at small batches, and only when they are accepted. So:
 * the draft never reaches past the request's ``max_tokens`` or the context window, and
   never past the step's token budget.
 
-Constrained (grammar) requests get no drafts: their per-position masks are not built yet.
+Constrained (grammar) requests draft too: each verified position gets the grammar's mask
+after the drafts before it (engine/structured_output.py).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class NgramProposer:
     def drafts(self, request: Request, budget: int, num_running: int) -> list[int]:
         """Draft tokens for a decoding request (one token to compute), or []."""
         cfg = self.config
-        if num_running > cfg.max_batch_size or request.grammar is not None:
+        if num_running > cfg.max_batch_size:
             return []
         state = self._state.setdefault(request.request_id, _RequestState())
         if state.acceptance < cfg.min_acceptance_rate:

@@ -91,6 +91,13 @@ class Matcher:
         if self._m.is_error():
             self._backend.fill_eos_only(bitmask, row)
 
+    def fork(self) -> Matcher:
+        """An independent copy at the same position: to look ahead over speculative drafts
+        without advancing (and rolling back) the request's own matcher."""
+        other = Matcher(self._backend, self._m.deep_copy())
+        other._eos_after_stop = self._eos_after_stop
+        return other
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
         ours = min(num_tokens, self._eos_after_stop)
@@ -175,17 +182,6 @@ class GrammarBackend:
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
-
-    def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
-        """``matchers[i]``'s allowed set into ``bitmask[i]`` (one step's constrained rows).
-
-        Row by row on the calling thread (the engine thread), not through the library's
-        parallel ``LLExecutor``: with it, CI died of a segmentation fault in the constrained
-        engine tests (stop 19, exit 139), which never happened with this path; the executor
-        runs the matchers on rayon threads with small stacks, and it saved 0.3 ms per step at
-        32 rows (the step takes ~185 ms there)."""
-        for row, m in enumerate(matchers):
-            m.fill_bitmask(bitmask, row)
 
     def fill_eos_only(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].zero_()

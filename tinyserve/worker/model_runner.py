@@ -111,7 +111,7 @@ class ModelRunner:
                 output_token_ids=req.output_token_ids + spec[:j] if j else req.output_token_ids,
                 generator=generator,
                 eos_token_ids=req.eos_token_ids,
-                grammar_bitmask=_grammar_row(sched, req.request_id) if j == 0 else None,
+                grammar_bitmask=_grammar_row(sched, req.request_id, j),
             )
             for j in range(1 + len(spec))
         ]
@@ -191,7 +191,8 @@ def _decodes(item) -> bool:
     return item.request.num_computed_tokens >= item.request.num_prompt_tokens
 
 
-def _grammar_row(sched: SchedulerOutput, request_id: str) -> torch.Tensor | None:
-    """The request's allowed-token bitmask row this step (constrained decoding), or None."""
+def _grammar_row(sched: SchedulerOutput, request_id: str, pos: int) -> torch.Tensor | None:
+    """The request's allowed-token bitmask row at verified position ``pos`` this step
+    (constrained decoding; 0 without drafts), or None."""
     row = sched.grammar_rows.get(request_id)
-    return None if row is None else sched.grammar_bitmask[row]
+    return None if row is None else sched.grammar_bitmask[row + pos]

@@ -81,6 +81,7 @@ def test_template_renders_tools_and_past_calls(hermes_server):
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_forced_calls_are_hermes_blocks_that_validate(hermes_server, parallel):
+    finished = 0
     with openai.OpenAI(base_url=hermes_server.url("/v1"), api_key="x", max_retries=0) as c:
         for seed in range(3):
             r = c.chat.completions.create(
@@ -100,6 +101,8 @@ def test_forced_calls_are_hermes_blocks_that_validate(hermes_server, parallel):
                 jsonschema.validate(
                     json.loads(call.function.arguments), spec["function"]["parameters"]
                 )
+            finished += 1
+    assert finished  # JSON whitespace is bounded: calls end well within max_tokens
 
 
 def test_native_parsers():
@@ -141,6 +144,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}', False, True, False),
     ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "PST"}}', False, True, False),
     ("Hi <tool_call>", True, True, False),  # a call begun must be finished
+    ("<tool_call>\n{" + " " * 41, False, True, False),  # whitespace is bounded
     (CALL + " and more text", False, True, False),
 ])  # fmt: skip
 def test_auto_grammar_enforces_a_call_once_the_tag_is_written(

@@ -33,7 +33,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tinyserve.structured.schema_fixes import fix_schema
+
 MAX_PARALLEL_CALLS = 8
+# The options structured/backend.py compiles JSON schemas with, for the %json of the Hermes
+# grammar (the library reads them from the schema's top-level "x-guidance" key there):
+# whitespace bounded so that a model cannot pad a call with newlines until max_tokens.
+_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"[ \t\n\r]{0,40}"}
 
 
 class _Wire(BaseModel):
@@ -270,7 +276,8 @@ def hermes_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool)
     it ends at the first ``<tool_call>``, so text that goes on to the end never holds one)."""
     many = parallel and not isinstance(choice, NamedToolChoice)
     more = ' ("\\n<tool_call>" call)*' if many else ""
-    lines = ['call: "\\n" %json ' + json.dumps(call_schema(tools)) + ' "\\n</tool_call>"']
+    schema = {"x-guidance": _JSON_OPTIONS, **fix_schema(call_schema(tools))}
+    lines = ['call: "\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"']
     if choice in (None, "auto"):
         lines += [f"start: TEXT | head call{more}", 'head[lazy]: TEXT "<tool_call>"',
                   "TEXT: /(?s:.*)/"]  # fmt: skip

@@ -162,6 +162,21 @@ def test_scanner_decodes_strings_and_reports_raw_spans():
     assert JsonScanner().feed('{"a" 1}')[1] == 5  # stops at the error
 
 
+@pytest.mark.parametrize("stream", [EnvelopeStream, HermesStream])
+def test_garbage_never_raises(stream):
+    """Text no grammar would allow (a server bug, a stop string mid-call) must not break
+    the stream: the parsers take anything and still end with a finish event."""
+    rng = random.Random(2)
+    bits = list('{}[]":,\\ \nu0123456789abcdeE.-tnrl') + ["<tool_call>", "</tool_call>",
+            '"name"', '"arguments"', '"tool_calls"', '"content"', "\\ud83d", "é"]  # fmt: skip
+    starts = ['{"tool_calls": [{"name": "f", "arguments": ', '<tool_call>\n{"name": "f", ', ""]
+    for _ in range(1500):
+        text = rng.choice(starts) + "".join(rng.choice(bits) for _ in range(rng.randrange(40)))
+        finish = rng.choice(["stop", "length"])
+        _, _, reason, _ = streamed(stream(), text, rng, finish)
+        assert reason in (finish, "tool_calls")
+
+
 def accumulate(client, **request):
     """A streamed chat completion through the SDK, read chunk by chunk: (content, [(name,
     arguments)], finish_reason, argument fragments per call), checking OpenAI's shape."""

@@ -134,14 +134,25 @@ def test_a_tag_prefix_is_held_back_until_it_is_known():
     assert p.finish("length") == [({"content": " <tool_c"}, None), ({}, "length")]
 
 
+def test_a_block_that_ends_the_output_is_closed():
+    text = '<tool_call>\n{"name": "f"}\n</tool_call>'  # no arguments: {} as not streamed
+    events = HermesStream().feed(text)
+    assert [d["tool_calls"][0]["function"]["arguments"] for d, _ in events] == ["", "{}"]
+    p = HermesStream()
+    p.feed(text)
+    assert p.finish("stop") == [({}, "tool_calls")]
+    assert T.parse_native(text)[1][0].function.arguments == "{}"
+
+
 @pytest.mark.parametrize("stream, text", [
     (EnvelopeStream, '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g'),
     (HermesStream, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
                    '<tool_call>\n{"name": "g'),
 ])  # fmt: skip
-def test_length_mid_call_keeps_what_was_sent(stream, text):
-    content, calls, finish, _ = streamed(stream(), text, random.Random(1), finish="length")
-    assert finish == "length" and content == ""
+@pytest.mark.parametrize("reason", ["length", "stop"])  # stop: a stop string mid-call
+def test_a_finish_mid_call_keeps_what_was_sent(stream, text, reason):
+    content, calls, finish, _ = streamed(stream(), text, random.Random(1), finish=reason)
+    assert finish == reason and content == ""  # not tool_calls: the last call is cut
     assert calls == [("f", '{"a": 1}')]  # g's name never completed: no entry for it
 
 
@@ -208,16 +219,19 @@ def non_streamed(client, **request):
     return c.message.content, calls, c.finish_reason
 
 
-def same_when_streamed(client, seeds, **request) -> int:
+def same_when_streamed(client, seeds, raw_text=False, **request) -> int:
     """For each seed, stream=False then stream=True: the same finish reason, and when it is
     not ``length`` the same content and calls, a call's arguments (unless short) in several
-    fragments. How many finished before max_tokens."""
+    fragments. How many finished before max_tokens. ``raw_text``: the output's text is its
+    content (Hermes), so text cut by ``length`` streams the same too."""
     finished = 0
     for seed in seeds:
         content, calls, finish = non_streamed(client, seed=seed, **request)
         s_content, s_calls, s_finish, fragments = accumulate(client, seed=seed, **request)
         assert s_finish == finish
         if finish == "length":  # streamed: what was sent; not streamed: the raw text
+            if raw_text and not s_calls:
+                assert s_content == content
             continue
         finished += 1
         assert (s_content or None, s_calls) == (content, calls)

@@ -75,11 +75,13 @@ class _Deltas:
         if index in self._named and index not in self._sent_args:
             self.arguments(index, "{}")
 
-    def take(self, finish_reason: str | None = None) -> list[Event]:
+    def take(self, finish_reason: str | None = None, mid_call: bool = False) -> list[Event]:
+        """The deltas so far; with ``finish_reason``, then the finish event (``stop`` after
+        calls is ``tool_calls``, but not cut mid-call by a stop string)."""
         events: list[Event] = [(d, None) for d in self._out]
         self._out = []
         if finish_reason is not None:
-            called = finish_reason == "stop" and bool(self._named)
+            called = finish_reason == "stop" and bool(self._named) and not mid_call
             events.append(({}, "tool_calls" if called else finish_reason))
         return events
 
@@ -110,7 +112,7 @@ class EnvelopeStream:
         return self._d.take()
 
     def finish(self, finish_reason: str) -> list[Event]:
-        return self._d.take(finish_reason)
+        return self._d.take(finish_reason, mid_call=not self._scan.done)
 
 
 class HermesStream:
@@ -135,7 +137,7 @@ class HermesStream:
         if self._mode in ("text", "raw"):
             self._d.content(self._buf.lstrip(_WS) if self._after_block else self._buf)
             self._buf = ""
-        return self._d.take(finish_reason)
+        return self._d.take(finish_reason, mid_call=self._mode in ("call", "close"))
 
     def _step(self) -> bool:
         """Use what ``_buf`` allows; False when it must wait for more text."""
@@ -197,7 +199,7 @@ class HermesStream:
 
     def _close(self) -> bool:
         stripped = self._buf.lstrip(_WS)
-        if _END_TAG.startswith(stripped):
+        if len(stripped) < len(_END_TAG) and _END_TAG.startswith(stripped):
             return False  # more may come
         if not stripped.startswith(_END_TAG):
             return self._not_a_call()

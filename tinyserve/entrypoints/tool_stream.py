@@ -6,7 +6,8 @@ Content streams until a call begins; each call then gets a first delta with ``in
 ``id``, ``type``, ``function.name`` and ``arguments: ""`` (sent once its name is complete),
 then ``function.arguments`` fragments: the arguments' JSON text exactly as generated, so the
 fragments add up to the non-streamed ``arguments``. ``finish`` ends the choice: ``stop`` with
-calls becomes ``tool_calls``; ``length`` keeps what was sent (a call cut short stays cut).
+calls becomes ``tool_calls``; ``length`` (or a stop string mid-call, finishing ``stop``) keeps
+what was sent, where the non-streamed answer is the raw text as content.
 
 ``EnvelopeStream`` reads the JSON envelope (``{"content": "..."}``: the string decoded as it
 comes; ``{"tool_calls": [...]}``), ``HermesStream`` ``<tool_call>`` blocks amid text, holding

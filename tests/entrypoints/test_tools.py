@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import MODEL
+from test_tools_stream import same_when_streamed
 
 WEATHER = {
     "type": "function",
@@ -88,8 +89,9 @@ def test_required_and_auto_always_parse(oai):
 
 def test_streamed_call_accumulates_in_the_sdk(oai):
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    with oai.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER],
-                                     tool_choice=choice, max_tokens=120) as stream:  # fmt: skip
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                   max_tokens=120, seed=0)  # fmt: skip
+    with oai.chat.completions.stream(**request) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -97,6 +99,18 @@ def test_streamed_call_accumulates_in_the_sdk(oai):
     assert c.finish_reason == "tool_calls"
     (call,) = c.message.tool_calls
     _check_call(call)
+    (want,) = oai.chat.completions.create(**request).choices[0].message.tool_calls
+    assert call.function.arguments == want.function.arguments
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}},
+                                    "required", "auto"])  # fmt: skip
+def test_streamed_envelope_equals_the_non_streamed_one(oai, choice):
+    """Same seed, stream=False and stream=True: the same content (decoded from the
+    envelope's string as it streams) or calls (arguments in several fragments)."""
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                   max_tokens=150, temperature=1.0)  # fmt: skip
+    assert same_when_streamed(oai, range(3), **request)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""/v1/chat/completions: messages -> chat template -> prompt ids; tools (entrypoints/tools.py)
-through a grammar-enforced JSON envelope; responses and SSE chunks.
+"""/v1/chat/completions: messages -> chat template -> prompt ids; tools (entrypoints/tools.py:
+the template's <tool_call> blocks or a JSON envelope, grammar-enforced); responses and SSE
+chunks, in which content and tool-call deltas stream as generated (tool_stream.py).
 
 ``ChatServing`` is a mixin of ``OpenAIServing`` (serving.py), which provides the shared
 input handling (``tokenizer``, ``sampling_params``, ``add``, ``token_str``, ...).
@@ -29,6 +30,7 @@ from tinyserve.entrypoints.streaming import (
     until_disconnect,
     usage_info,
 )
+from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -75,7 +77,7 @@ class ChatServing:
                 raise bad_request("tools: cannot be combined with response_format", "tools")
             if T.hermes_template(self.tokenizer):
                 grammar = T.hermes_grammar(tools, req.tool_choice, req.parallel_tool_calls)
-                so = StructuredOutputsParams(grammar=grammar, field="tools") if grammar else None
+                so = StructuredOutputsParams(grammar=grammar, field="tools")
             else:
                 schema = T.envelope_schema(tools, req.tool_choice, req.parallel_tool_calls)
                 so = StructuredOutputsParams(json=schema, field="tools")
@@ -115,8 +117,10 @@ class ChatServing:
         stream = await self.add(request_id, [prompt_ids], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            parse = self._parse_tools if tools else None
-            events = self._chat_stream(request_id, stream, params, include_usage, parse)
+            tool_stream = None
+            if tools:
+                tool_stream = HermesStream if T.hermes_template(self.tokenizer) else EnvelopeStream
+            events = self._chat_stream(request_id, stream, params, include_usage, tool_stream)
             return sse(events, self.shutdown_grace_period)
         choices, usage = await until_disconnect(raw, collect(stream), stream)
         result_choices = []
@@ -149,7 +153,7 @@ class ChatServing:
         stream: OutputStream,
         params: SamplingParams,
         include_usage: bool,
-        parse_tools,
+        tool_stream: type[HermesStream] | type[EnvelopeStream] | None,
     ) -> AsyncIterator[dict[str, Any]]:
         created = int(time.time())
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created}
@@ -163,41 +167,27 @@ class ChatServing:
         for i in range(params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
         usage = None
-        held: dict[int, str] = {}  # with tools: each choice's envelope, parsed when it ends
+        parsers: dict[int, HermesStream | EnvelopeStream] = {}  # with tools: one per choice
         async for out in outputs(stream):
             usage = out.usage or usage
             fr = finish_reason_of(out)
-            if parse_tools is not None:
-                held[out.index] = held.get(out.index, "") + out.text_delta
-                if fr is not None:
-                    for event in _tool_events(held.pop(out.index), fr, parse_tools):
-                        yield chunk(out.index, *event)
-                continue
-            if not out.text_delta and fr is None and not out.logprobs:
-                continue  # the detokenizer held the text back (stop-string or UTF-8 boundary)
             lp = (
                 P.chat_logprobs(out.logprobs, self.token_str)
                 if params.logprobs is not None
                 else None
             )
+            if tool_stream is not None:
+                parser = parsers.setdefault(out.index, tool_stream())
+                events = parser.feed(out.text_delta)
+                events += parser.finish(fr) if fr is not None else []
+                if not events and out.logprobs and lp is not None:
+                    events = [({}, None)]
+                for n, (delta, finish) in enumerate(events):
+                    yield chunk(out.index, delta, lp if n == 0 else None, finish)
+                continue
+            if not out.text_delta and fr is None and not out.logprobs:
+                continue  # the detokenizer held the text back (stop-string or UTF-8 boundary)
             delta = {"content": out.text_delta} if out.text_delta or fr is None else {}
             yield chunk(out.index, delta, lp, fr)
         if include_usage:
             yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
-
-
-def _tool_events(text: str, finish_reason: str, parse) -> list[tuple[dict, None, str | None]]:
-    """A finished choice's deltas: its content, or per call (OpenAI's shape) a first delta
-    with index, id, type, name and empty arguments, then one with the arguments."""
-    content, calls = parse(text) if finish_reason == "stop" else (text, [])
-    if not calls:
-        return [({"content": content or ""}, None, None), ({}, None, finish_reason)]
-    events = []
-    for i, call in enumerate(calls):
-        first = {"index": i, "id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": ""}}  # fmt: skip
-        events.append(({"tool_calls": [first]}, None, None))
-        rest = {"index": i, "function": {"arguments": call.function.arguments}}
-        events.append(({"tool_calls": [rest]}, None, None))
-    events.append(({}, None, "tool_calls"))
-    return events

@@ -2,9 +2,10 @@
 
 A chat template with Hermes-style tool support (Qwen2.5: ``tools`` rendered by the template,
 calls as ``<tool_call>{"name", "arguments"}</tool_call>``) is used natively: the template
-renders the tools and past calls, ``required`` / named choices are enforced by a grammar of
-``<tool_call>`` blocks whose JSON validates, and ``auto`` output is parsed for the blocks
-(and for a Llama-3 style bare ``{"name", "parameters"}`` call).
+renders the tools and past calls, and a grammar of ``<tool_call>`` blocks whose JSON
+validates shapes the output: ``required`` / named, the output is the blocks; ``auto``, free
+text until the model writes ``<tool_call>``, from where a valid call must follow. Text
+outside the blocks is the message's content.
 
 Any other template gets the tools in a system message and answers in one JSON envelope, which
 a grammar enforces (as llama.cpp's generic handler does for templates without tool support):
@@ -18,7 +19,9 @@ to that one). The arguments of every call validate against its function's ``para
 schema; ``parallel_tool_calls=false`` allows one call. Earlier assistant ``tool_calls`` and
 ``tool`` results in the conversation are rendered in the same envelope, so the template
 needs no tool support. The output is parsed back into ``message.tool_calls`` (content
-null, finish_reason ``tool_calls``) or ``message.content``.
+null, finish_reason ``tool_calls``) or ``message.content``; a call's ``arguments`` is its
+JSON text exactly as generated, which is what its streamed fragments add up to
+(tool_stream.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tinyserve.structured.schema_fixes import fix_schema
+
 MAX_PARALLEL_CALLS = 8
+# The options structured/backend.py compiles JSON schemas with, for the %json of the Hermes
+# grammar (the library reads them from the schema's top-level "x-guidance" key there):
+# whitespace bounded so that a model cannot pad a call with newlines until max_tokens.
+_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"[ \t\n\r]{0,40}"}
 
 
 class _Wire(BaseModel):
@@ -93,8 +102,8 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
     return list(tools)
 
 
-def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> dict:
-    """The JSON schema the output must match (see the module docstring)."""
+def call_schema(tools: list[Tool]) -> dict:
+    """The JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``."""
     calls = [
         {
             "type": "object",
@@ -107,14 +116,19 @@ def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool
         }
         for t in tools
     ]
-    call_schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> dict:
+    """The JSON schema the output must match (see the module docstring)."""
+    one_call = call_schema(tools)
     # A named tool_choice asks for one call of that function, as OpenAI answers it.
     max_calls = MAX_PARALLEL_CALLS if parallel and not isinstance(choice, NamedToolChoice) else 1
     with_calls = {
         "type": "object",
         "properties": {
             "tool_calls": {
-                "type": "array", "items": call_schema, "minItems": 1, "maxItems": max_calls,
+                "type": "array", "items": one_call, "minItems": 1, "maxItems": max_calls,
             }
         },
         "required": ["tool_calls"],
@@ -171,21 +185,66 @@ def _loads(text: str) -> Any:
 
 def parse_output(text: str) -> tuple[str | None, list[ToolCall]]:
     """The envelope back into (content, tool calls). Text that is not an envelope (cut by
-    max_tokens) comes back as content."""
+    max_tokens) comes back as content. Each call's ``arguments`` is the JSON text exactly as
+    generated (what a streamed call's fragments add up to)."""
     try:
         value = json.loads(text)
     except ValueError:
         return text, []
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        return None, [_call(c["name"], c["arguments"]) for c in value["tool_calls"]]
+        items = value["tool_calls"]
+        if all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
+            raw_items = raw_children(raw_children(text)["tool_calls"])
+            raw_args = [raw_children(r).get("arguments", "{}") for r in raw_items]
+            return None, [_call(c["name"], a) for c, a in zip(items, raw_args, strict=True)]
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"], []
     return text, []
 
 
+_DECODER = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def raw_children(text: str) -> Any:
+    """The members of the JSON object (``{key: source text}``) or the items of the JSON array
+    (``[source text]``) ``text``, each value's text exactly as written. ValueError if ``text``
+    is not an object or an array."""
+    i = _WS.match(text).end()
+    opener = text[i : i + 1]
+    if opener not in ("{", "["):
+        raise ValueError("not a JSON object or array")
+    closer = "}" if opener == "{" else "]"
+    members: dict[str, str] = {}
+    items: list[str] = []
+    i = _WS.match(text, i + 1).end()
+    while text[i : i + 1] != closer:
+        if opener == "{":
+            if text[i : i + 1] != '"':
+                raise ValueError("expected a key")
+            key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            i = _WS.match(text, i).end()
+            if text[i : i + 1] != ":":
+                raise ValueError("expected ':'")
+            i = _WS.match(text, i + 1).end()
+        _, end = _DECODER.raw_decode(text, i)
+        if opener == "{":
+            members[key] = text[i:end]
+        else:
+            items.append(text[i:end])
+        i = _WS.match(text, end).end()
+        if text[i : i + 1] == ",":
+            i = _WS.match(text, i + 1).end()
+        elif text[i : i + 1] != closer:
+            raise ValueError(f"expected ',' or {closer!r}")
+    return members if opener == "{" else items
+
+
 # -- native (Hermes) templates -------------------------------------------------------------------
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# A block and the whitespace around it (which is not content).
+_OPEN = re.compile(r"[ \t\n\r]*<tool_call>[ \t\n\r]*")
+_CLOSE = re.compile(r"[ \t\n\r]*</tool_call>[ \t\n\r]*")
 
 
 def hermes_template(tokenizer) -> bool:
@@ -210,41 +269,48 @@ def native_messages(conversation: list[dict], messages) -> list[dict]:
     return out
 
 
-def hermes_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> str | None:
-    """A Lark grammar of one or more ``<tool_call>`` blocks (None for ``auto``: free text)."""
-    if choice in (None, "auto"):
-        return None
-    call = envelope_schema(tools, choice, parallel)["properties"]["tool_calls"]["items"]
+def hermes_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) of ``<tool_call>`` blocks whose JSON is a valid
+    call. ``required`` / named: the output is the blocks. ``auto``: free text, until the model
+    writes ``<tool_call>``; from there a valid call must follow (``head`` is a lazy lexeme:
+    it ends at the first ``<tool_call>``, so text that goes on to the end never holds one)."""
     many = parallel and not isinstance(choice, NamedToolChoice)
-    return "\n".join([
-        'start: call ("\\n" call)*' if many else "start: call",
-        'call: "<tool_call>\\n" body "\\n</tool_call>"',
-        "body: %json " + json.dumps(call),
-    ])  # fmt: skip
+    more = ' ("\\n<tool_call>" call)*' if many else ""
+    schema = {"x-guidance": _JSON_OPTIONS, **fix_schema(call_schema(tools))}
+    lines = ['call: "\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"']
+    if choice in (None, "auto"):
+        lines += [f"start: TEXT | head call{more}", 'head[lazy]: TEXT "<tool_call>"',
+                  "TEXT: /(?s:.*)/"]  # fmt: skip
+    else:
+        lines.append(f'start: "<tool_call>" call{more}')
+    return "\n".join(lines)
 
 
 def parse_native(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``<tool_call>`` blocks (or one bare Llama-3 JSON call) -> (content, tool calls)."""
-    calls, rest = [], text
-    for block in _HERMES_CALL.findall(text):
-        value = _loads(block)
-        if isinstance(value, dict) and isinstance(value.get("name"), str):
-            calls.append(_call(value["name"], value.get("arguments", {})))
-    if calls:
-        rest = _HERMES_CALL.sub("", text).strip()
-        return rest or None, calls
-    value = _loads(text.strip())
-    if (
-        isinstance(value, dict)
-        and isinstance(value.get("name"), str)
-        and ("parameters" in value or "arguments" in value)
-    ):
-        return None, [_call(value["name"], value.get("parameters", value.get("arguments")))]
-    return text, []
+    """``<tool_call>`` blocks -> (content, tool calls): the content is the text outside the
+    blocks less the whitespace next to them; a block that is not a call ends the parse (it and
+    what follows stay content). ``arguments`` is the JSON text exactly as generated."""
+    pieces, calls, pos = [], [], 0
+    while (tag := _OPEN.search(text, pos)) is not None:
+        try:
+            value, end = _DECODER.raw_decode(text, tag.end())
+        except ValueError:
+            break
+        close = _CLOSE.match(text, end)
+        if close is None or not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            break
+        pieces.append(text[pos : tag.start()])
+        calls.append(_call(value["name"], raw_children(text[tag.end() : end]).get("arguments")))
+        pos = close.end()
+    if not calls:
+        return text, []
+    content = "".join(pieces) + text[pos:]
+    return content or None, calls
 
 
-def _call(name: str, arguments: Any) -> ToolCall:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=args)
-    )
+def _call(name: str, arguments: str | None) -> ToolCall:
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments or "{}"))
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,240 @@
+"""The streamed tool-call parsers (entrypoints/tool_stream.py) against the non-streamed ones
+(tools.parse_output / parse_native): on many random outputs cut into random pieces, the deltas
+add up to the same content and calls, with OpenAI's chunk shape."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, JsonScanner
+
+TEXT_BITS = ["a", " ", "\n", "  ", "<", "<tool", "<tool_", "tool_call>", "</tool_call>", "é",
+             "😀", '"', "\\", "{", "}", "Sure.", "<tool_cal", "\t", "x<tool_callx"]  # fmt: skip
+STR_BITS = ["a", "é", "😀", '"', "\\", "\n", "\t", "\x01", "\ud800", "</tool_call>", " ", "/"]
+
+
+def _string(rng: random.Random) -> str:
+    return "".join(rng.choice(STR_BITS) for _ in range(rng.randrange(8)))
+
+
+def _value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(7 if depth < 3 else 4)
+    if kind == 0:
+        return _string(rng)
+    if kind == 1:
+        return rng.choice([0, -3, 2.5, 1e21, 12345678901234567890])
+    if kind == 2:
+        return rng.choice([True, False])
+    if kind == 3:
+        return None
+    if kind == 4:
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {_string(rng): _value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def _dumps(rng: random.Random, value) -> str:
+    indent = rng.choice([None, None, 2, 0])
+    seps = rng.choice([(", ", ": "), (",", ":"), (" ,  ", " :\n")])
+    return json.dumps(value, indent=indent, separators=seps, ensure_ascii=rng.random() < 0.5)
+
+
+def _call(rng: random.Random) -> dict:
+    args = {_string(rng) or "k": _value(rng) for _ in range(rng.randrange(4))}
+    call = {"name": rng.choice(["get_weather", "f", "a-b_c"]), "arguments": args}
+    return dict(reversed(call.items())) if rng.random() < 0.2 else call  # arguments first
+
+
+def envelope(rng: random.Random) -> str:
+    if rng.random() < 0.4:
+        return _dumps(rng, {"content": _string(rng)})
+    return _dumps(rng, {"tool_calls": [_call(rng) for _ in range(rng.randint(1, 3))]})
+
+
+def hermes(rng: random.Random) -> str:
+    def text() -> str:
+        return "".join(rng.choice(TEXT_BITS) for _ in range(rng.randrange(6)))
+
+    parts = [text()]
+    for _ in range(rng.randrange(4)):
+        ws = [rng.choice(["", "\n", " \n", "\n\n"]) for _ in range(4)]
+        parts.append(f"{ws[0]}<tool_call>{ws[1]}{_dumps(rng, _call(rng))}{ws[2]}</tool_call>")
+        parts.append(ws[3] + (text() if rng.random() < 0.3 else ""))
+    return "".join(parts)
+
+
+def streamed(parser, text: str, rng: random.Random, finish: str = "stop"):
+    """Feed ``text`` in random pieces; the chunks' deltas accumulated as the SDK does."""
+    events, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 8)
+        events += parser.feed(text[i : i + n])
+        i += n
+    events += parser.finish(finish)
+    content, calls, fragments = "", {}, {}
+    for delta, reason in events[:-1]:
+        assert reason is None
+        content += delta.get("content", "")
+        entries = delta.get("tool_calls", [])
+        assert len(entries) <= 1 and (entries or delta.get("content"))
+        for e in entries:
+            if "id" in e:  # the first delta of a call
+                assert e["index"] not in calls and e["index"] == len(calls)
+                assert e["type"] == "function" and e["function"]["arguments"] == ""
+                calls[e["index"]] = [e["function"]["name"], ""]
+            else:
+                assert set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}
+                calls[e["index"]][1] += e["function"]["arguments"]
+                fragments[e["index"]] = fragments.get(e["index"], 0) + 1
+    assert events[-1][0] == {}
+    return content, [tuple(calls[i]) for i in sorted(calls)], events[-1][1], fragments
+
+
+@pytest.mark.parametrize(
+    "make, stream, parse",
+    [(envelope, EnvelopeStream, T.parse_output), (hermes, HermesStream, T.parse_native)],
+)
+def test_streamed_deltas_add_up_to_the_non_streamed_parse(make, stream, parse):
+    rng = random.Random(0)
+    seen_calls = seen_text = long_calls = fragmented = 0
+    for _ in range(600):
+        text = make(rng)
+        want_content, want_calls = parse(text)
+        content, calls, finish, fragments = streamed(stream(), text, rng)
+        assert (content or None) == (want_content or None), text
+        assert calls == [(c.function.name, c.function.arguments) for c in want_calls], text
+        assert finish == ("tool_calls" if want_calls else "stop")
+        if want_calls:
+            seen_calls += 1
+            # (text may hold a tag that does not begin a call: it stays content)
+            assert "<tool_call>" not in content or text.count("<tool_call>") > len(calls)
+            # Arguments stream as generated (not when they come before the name: held).
+            long = [i for i, (_, args) in enumerate(calls) if len(args) > 20]
+            long_calls += len(long)
+            fragmented += sum(fragments[i] > 1 for i in long)
+        else:
+            seen_text += 1
+    assert seen_calls > 100 and seen_text > 50 and fragmented > 0.6 * long_calls > 50
+
+
+def test_a_tag_prefix_is_held_back_until_it_is_known():
+    p = HermesStream()
+    assert p.feed("Hello <tool") == [({"content": "Hello"}, None)]  # " <tool" may be the tag
+    assert p.feed("s>") == [({"content": " <tools>"}, None)]
+    assert p.feed("\n<tool_call>\n{") == []
+    assert p.feed('"name": "f"')[0][0]["tool_calls"][0]["function"] == {
+        "name": "f",
+        "arguments": "",
+    }
+    p = HermesStream()
+    assert p.feed("cut <tool_c") == [({"content": "cut"}, None)]
+    assert p.finish("length") == [({"content": " <tool_c"}, None), ({}, "length")]
+
+
+def test_a_block_that_ends_the_output_is_closed():
+    text = '<tool_call>\n{"name": "f"}\n</tool_call>'  # no arguments: {} as not streamed
+    events = HermesStream().feed(text)
+    assert [d["tool_calls"][0]["function"]["arguments"] for d, _ in events] == ["", "{}"]
+    p = HermesStream()
+    p.feed(text)
+    assert p.finish("stop") == [({}, "tool_calls")]
+    assert T.parse_native(text)[1][0].function.arguments == "{}"
+
+
+@pytest.mark.parametrize("stream, text", [
+    (EnvelopeStream, '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g'),
+    (HermesStream, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+                   '<tool_call>\n{"name": "g'),
+])  # fmt: skip
+@pytest.mark.parametrize("reason", ["length", "stop"])  # stop: a stop string mid-call
+def test_a_finish_mid_call_keeps_what_was_sent(stream, text, reason):
+    content, calls, finish, _ = streamed(stream(), text, random.Random(1), finish=reason)
+    assert finish == reason and content == ""  # not tool_calls: the last call is cut
+    assert calls == [("f", '{"a": 1}')]  # g's name never completed: no entry for it
+
+
+def test_scanner_decodes_strings_and_reports_raw_spans():
+    doc = {"k\u00e9": ['\ud83d\ude00\\"\n\ud800x', {"n": [1.5e3, None, True]}], "": {}}
+    text = json.dumps(doc, ensure_ascii=True, indent=1) + " trailing"
+    s, events = JsonScanner(), []
+    for ch in text:
+        events += s.feed(ch)[0]
+    assert s.done and not s.error
+    decoded = "".join(p for kind, path, p in events if kind == "str" and path == ("k\u00e9", 0))
+    value = json.loads(text.removesuffix(" trailing"))
+    assert decoded == value["k\u00e9"][0] and "\U0001f600" in decoded
+    raw = "".join(p for kind, path, p in events if kind == "raw" and path[:2] == ("k\u00e9", 1))
+    assert json.loads(raw) == value["k\u00e9"][1] and raw == raw.strip()
+    ends = [path for kind, path, _ in events if kind == "end"]
+    assert ends[-1] == () and ("",) in ends and ("k\u00e9", 1, "n", 2) in ends
+    assert JsonScanner().feed('{"a" 1}')[1] == 5  # stops at the error
+
+
+@pytest.mark.parametrize("stream", [EnvelopeStream, HermesStream])
+def test_garbage_never_raises(stream):
+    """Text no grammar would allow (a server bug, a stop string mid-call) must not break
+    the stream: the parsers take anything and still end with a finish event."""
+    rng = random.Random(2)
+    bits = list('{}[]":,\\ \nu0123456789abcdeE.-tnrl') + ["<tool_call>", "</tool_call>",
+            '"name"', '"arguments"', '"tool_calls"', '"content"', "\\ud83d", "é"]  # fmt: skip
+    starts = ['{"tool_calls": [{"name": "f", "arguments": ', '<tool_call>\n{"name": "f", ', ""]
+    for _ in range(1500):
+        text = rng.choice(starts) + "".join(rng.choice(bits) for _ in range(rng.randrange(40)))
+        finish = rng.choice(["stop", "length"])
+        _, _, reason, _ = streamed(stream(), text, rng, finish)
+        assert reason in (finish, "tool_calls")
+
+
+def accumulate(client, **request):
+    """A streamed chat completion through the SDK, read chunk by chunk: (content, [(name,
+    arguments)], finish_reason, argument fragments per call), checking OpenAI's shape."""
+    content, calls, finish, fragments = None, {}, None, {}
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for c in chunk.choices:
+            if c.delta.content:
+                assert not calls, "content after a tool call began"
+                content = (content or "") + c.delta.content
+            entries = c.delta.tool_calls or []
+            assert len(entries) <= 1
+            for e in entries:
+                if e.id is not None:
+                    assert e.type == "function" and e.function.arguments == ""
+                    calls[e.index] = [e.function.name, ""]
+                else:
+                    assert e.function.name is None
+                    calls[e.index][1] += e.function.arguments
+                    fragments[e.index] = fragments.get(e.index, 0) + 1
+            if c.finish_reason is not None:
+                assert finish is None
+                finish = c.finish_reason
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, fragments
+
+
+def non_streamed(client, **request):
+    (c,) = client.chat.completions.create(**request).choices
+    calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    return c.message.content, calls, c.finish_reason
+
+
+def same_when_streamed(client, seeds, raw_text=False, **request) -> int:
+    """For each seed, stream=False then stream=True: the same finish reason, and when it is
+    not ``length`` the same content and calls, a call's arguments (unless short) in several
+    fragments. How many finished before max_tokens. ``raw_text``: the output's text is its
+    content (Hermes), so text cut by ``length`` streams the same too."""
+    finished = 0
+    for seed in seeds:
+        content, calls, finish = non_streamed(client, seed=seed, **request)
+        s_content, s_calls, s_finish, fragments = accumulate(client, seed=seed, **request)
+        assert s_finish == finish
+        if finish == "length":  # streamed: what was sent; not streamed: the raw text
+            if raw_text and not s_calls:
+                assert s_content == content
+            continue
+        finished += 1
+        assert (s_content or None, s_calls) == (content, calls)
+        for i, (_, arguments) in enumerate(calls):
+            assert len(arguments) < 12 or fragments[i] > 1, (arguments, fragments)
+    return finished

@@ -1,0 +1,396 @@
+"""Streamed tool calls: a choice's text deltas in, OpenAI chat-chunk deltas out, as the text is
+generated (torch-free; the non-streamed parsers are ``tools.parse_output`` / ``parse_native``,
+and the two agree on every output: tests/entrypoints/test_tools_stream.py).
+
+Content streams until a call begins; each call then gets a first delta with ``index``,
+``id``, ``type``, ``function.name`` and ``arguments: ""`` (sent once its name is complete),
+then ``function.arguments`` fragments: the arguments' JSON text exactly as generated, so the
+fragments add up to the non-streamed ``arguments``. ``finish`` ends the choice: ``stop`` with
+calls becomes ``tool_calls``; ``length`` (or a stop string mid-call, finishing ``stop``) keeps
+what was sent, where the non-streamed answer is the raw text as content.
+
+``EnvelopeStream`` reads the JSON envelope (``{"content": "..."}``: the string decoded as it
+comes; ``{"tool_calls": [...]}``), ``HermesStream`` ``<tool_call>`` blocks amid text, holding
+back a tail that may begin the tag (and whitespace next to a block, which is not content).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tinyserve.entrypoints.tools import new_call_id
+
+Event = tuple[dict, str | None]  # (delta, finish_reason)
+_TAG, _END_TAG = "<tool_call>", "</tool_call>"
+_WS = " \t\n\r"
+
+
+class _Deltas:
+    """The deltas of one choice: content merged, arguments held until their call is named."""
+
+    def __init__(self) -> None:
+        self._out: list[dict] = []
+        self._names: dict[int, str] = {}
+        self._named: set[int] = set()
+        self._held_args: dict[int, str] = {}
+        self._sent_args: set[int] = set()
+
+    def content(self, text: str) -> None:
+        if not text:
+            return
+        if self._out and "content" in self._out[-1]:
+            self._out[-1]["content"] += text
+        else:
+            self._out.append({"content": text})
+
+    def name_piece(self, index: int, text: str) -> None:
+        self._names[index] = self._names.get(index, "") + text
+
+    def named(self, index: int) -> None:
+        if index in self._named:
+            return
+        self._named.add(index)
+        function = {"name": self._names.get(index, ""), "arguments": ""}
+        first = {"index": index, "id": new_call_id(), "type": "function", "function": function}
+        self._out.append({"tool_calls": [first]})
+        self.arguments(index, self._held_args.pop(index, ""))
+
+    def arguments(self, index: int, text: str) -> None:
+        if not text:
+            return
+        if index not in self._named:
+            self._held_args[index] = self._held_args.get(index, "") + text
+            return
+        self._sent_args.add(index)
+        last = self._out[-1]["tool_calls"][0] if self._out and "tool_calls" in self._out[-1] else {}
+        if last.get("index") == index and "id" not in last:
+            last["function"]["arguments"] += text
+        else:
+            self._out.append({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+
+    def is_named(self, index: int) -> bool:
+        return index in self._named
+
+    def call_done(self, index: int) -> None:
+        """A complete call without arguments gets ``{}`` (as the non-streamed parse does)."""
+        if index in self._named and index not in self._sent_args:
+            self.arguments(index, "{}")
+
+    def take(self, finish_reason: str | None = None, mid_call: bool = False) -> list[Event]:
+        """The deltas so far; with ``finish_reason``, then the finish event (``stop`` after
+        calls is ``tool_calls``, but not cut mid-call by a stop string)."""
+        events: list[Event] = [(d, None) for d in self._out]
+        self._out = []
+        if finish_reason is not None:
+            called = finish_reason == "stop" and bool(self._named) and not mid_call
+            events.append(({}, "tool_calls" if called else finish_reason))
+        return events
+
+
+class EnvelopeStream:
+    """``{"content": "..."}`` or ``{"tool_calls": [{"name", "arguments"}, ...]}``."""
+
+    def __init__(self) -> None:
+        self._scan = JsonScanner()
+        self._d = _Deltas()
+
+    def feed(self, text: str) -> list[Event]:
+        events, _ = self._scan.feed(text)
+        for kind, path, piece in events:
+            if path[:1] == ("content",) and kind == "str" and len(path) == 1:
+                self._d.content(piece)
+            elif len(path) >= 3 and path[0] == "tool_calls" and isinstance(path[1], int):
+                index, field = path[1], path[2]
+                if field == "name" and len(path) == 3:
+                    if kind == "str":
+                        self._d.name_piece(index, piece)
+                    elif kind == "end" and piece == '"':
+                        self._d.named(index)
+                elif field == "arguments" and kind == "raw":
+                    self._d.arguments(index, piece)
+            elif len(path) == 2 and path[0] == "tool_calls" and kind == "end":
+                self._d.call_done(path[1])
+        return self._d.take()
+
+    def finish(self, finish_reason: str) -> list[Event]:
+        return self._d.take(finish_reason, mid_call=not self._scan.done)
+
+
+class HermesStream:
+    """Text with ``<tool_call>\\n{"name", "arguments"}\\n</tool_call>`` blocks."""
+
+    def __init__(self) -> None:
+        self._d = _Deltas()
+        self._mode = "text"  # text | call | close | raw (a block that is not a call)
+        self._buf = ""  # text not yet sent: a possible tag prefix, whitespace, a closing tag
+        self._block = ""  # the current block's text, sent as content if it is not a call
+        self._calls = 0
+        self._after_block = False  # whitespace after a block is not content
+        self._scan = JsonScanner()
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        while self._buf and self._step():
+            pass
+        return self._d.take()
+
+    def finish(self, finish_reason: str) -> list[Event]:
+        if self._mode in ("text", "raw"):
+            self._d.content(self._buf.lstrip(_WS) if self._after_block else self._buf)
+            self._buf = ""
+        return self._d.take(finish_reason, mid_call=self._mode in ("call", "close"))
+
+    def _step(self) -> bool:
+        """Use what ``_buf`` allows; False when it must wait for more text."""
+        if self._mode == "raw":
+            self._d.content(self._buf)
+            self._buf = ""
+            return False
+        if self._mode == "text":
+            return self._text()
+        if self._mode == "call":
+            return self._call()
+        return self._close()
+
+    def _text(self) -> bool:
+        if self._after_block:
+            self._buf = self._buf.lstrip(_WS)
+            if not self._buf:
+                return False
+            self._after_block = False
+        at = self._buf.find(_TAG)
+        if at >= 0:
+            before = self._buf[:at]
+            self._d.content(before.rstrip(_WS))
+            self._block = before[len(before.rstrip(_WS)) :] + _TAG
+            self._buf = self._buf[at + len(_TAG) :]
+            self._mode, self._scan = "call", JsonScanner()
+            return True
+        keep = _partial_tag(self._buf)
+        keep = len(self._buf) - len(self._buf[: len(self._buf) - keep].rstrip(_WS))
+        self._d.content(self._buf[: len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    def _call(self) -> bool:
+        if not self._scan.started:
+            stripped = self._buf.lstrip(_WS)
+            self._block += self._buf[: len(self._buf) - len(stripped)]
+            self._buf = stripped
+            if not stripped:
+                return False
+            if stripped[0] != "{":
+                return self._not_a_call()
+        events, used = self._scan.feed(self._buf)
+        self._block += self._buf[:used]
+        self._buf = self._buf[used:]
+        for kind, path, piece in events:
+            if path == ("name",) and kind == "str":
+                self._d.name_piece(self._calls, piece)
+            elif path == ("name",) and kind == "end" and piece == '"':
+                self._d.named(self._calls)
+            elif path[:1] == ("arguments",) and kind == "raw":
+                self._d.arguments(self._calls, piece)
+        if self._scan.error or (self._scan.done and not self._d.is_named(self._calls)):
+            return self._not_a_call()
+        if self._scan.done:
+            self._mode = "close"
+            return True
+        return False
+
+    def _close(self) -> bool:
+        stripped = self._buf.lstrip(_WS)
+        if len(stripped) < len(_END_TAG) and _END_TAG.startswith(stripped):
+            return False  # more may come
+        if not stripped.startswith(_END_TAG):
+            return self._not_a_call()
+        self._d.call_done(self._calls)
+        self._calls += 1
+        self._buf = stripped[len(_END_TAG) :]
+        self._mode, self._after_block = "text", True
+        return True
+
+    def _not_a_call(self) -> bool:
+        self._mode = "raw"
+        self._buf = self._block + self._buf
+        return True
+
+
+def _partial_tag(text: str) -> int:
+    """The length of the longest tail of ``text`` that is a proper prefix of the tag."""
+    for n in range(min(len(text), len(_TAG) - 1), 0, -1):
+        if _TAG.startswith(text[-n:]):
+            return n
+    return 0
+
+
+_LITERAL = frozenset("0123456789+-.eEtrufalsnNIiy")  # numbers, true/false/null, NaN/Infinity
+
+
+class JsonScanner:
+    """One JSON value read a piece at a time. ``feed(text)`` returns events and how many
+    characters of ``text`` it used (it stops at the end of the value or at an error):
+
+    * ``("raw", path, ch)``: a character of the innermost value at ``path`` (a container's
+      brackets, keys and inner whitespace are its own; whitespace around a member is not);
+    * ``("str", path, text)``: decoded text of the string value at ``path``;
+    * ``("end", path, first)``: the value at ``path`` is complete (``first``: its first char).
+
+    A path is the keys and indexes from the top value, ``()`` for the top value itself."""
+
+    def __init__(self) -> None:
+        self.started = self.done = self.error = False
+        self._path: list[str | int] = []  # the member being read in each open container
+        self._stack: list[str] = []  # the open containers' brackets
+        self._mode = "value"  # value | key | key_string | colon | string | literal | after
+        self._first = ""  # the first character of the scalar being read
+        self._key_text = ""
+        self._esc = ""  # an escape not yet complete
+        self._events: list[tuple[str, tuple, str]] = []
+
+    def feed(self, text: str) -> tuple[list[tuple[str, tuple, str]], int]:
+        self._events, used = [], 0
+        for ch in text:
+            if self.done or self.error:
+                break
+            try:
+                if self._mode == "literal" and ch not in _LITERAL:
+                    self._end_value()
+                    if self.done:
+                        break
+                getattr(self, "_" + self._mode)(ch)
+            except ValueError:  # a bad escape or an unexpected character
+                self.error = True
+                break
+            used += 1
+        return self._events, used
+
+    def _here(self) -> tuple:
+        """The path of the innermost open container."""
+        return tuple(self._path[: len(self._stack) - 1])
+
+    def _raw(self, path: tuple, ch: str) -> None:
+        self._events.append(("raw", path, ch))
+
+    def _value(self, ch: str) -> None:
+        if ch in _WS:
+            if self._stack:
+                self._raw(self._here(), ch)
+            return
+        if ch == "]" and self._stack and self._stack[-1] == "[":  # [] (or a trailing comma)
+            self._path.pop()
+            return self._close(ch)
+        self.started = True
+        self._raw(tuple(self._path), ch)
+        if ch in "{[":
+            self._stack.append(ch)
+            self._path += [0] if ch == "[" else []
+            self._mode = "value" if ch == "[" else "key"
+            return
+        if ch != '"' and ch not in _LITERAL:
+            raise ValueError(ch)
+        self._first, self._mode = ch, "string" if ch == '"' else "literal"
+
+    def _key(self, ch: str) -> None:
+        if ch == "}":
+            return self._close(ch)
+        if ch not in _WS and ch != '"':
+            raise ValueError(ch)
+        self._raw(tuple(self._path), ch)
+        if ch == '"':
+            self._key_text, self._mode = "", "key_string"
+
+    def _key_string(self, ch: str) -> None:
+        self._raw(tuple(self._path), ch)
+        text, ended = self._string_char(ch)
+        self._key_text += text
+        if ended:
+            self._mode = "colon"
+
+    def _colon(self, ch: str) -> None:
+        if ch not in _WS and ch != ":":
+            raise ValueError(ch)
+        self._raw(tuple(self._path), ch)
+        if ch == ":":
+            self._path.append(self._key_text)
+            self._mode = "value"
+
+    def _string(self, ch: str) -> None:
+        path = tuple(self._path)
+        self._raw(path, ch)
+        text, ended = self._string_char(ch)
+        if text:
+            self._events.append(("str", path, text))
+        if ended:
+            self._end_value()
+
+    def _literal(self, ch: str) -> None:
+        self._raw(tuple(self._path), ch)
+
+    def _after(self, ch: str) -> None:
+        if ch in _WS:
+            return self._raw(self._here(), ch)
+        if ch == ",":
+            self._raw(self._here(), ch)
+            if self._stack[-1] == "{":
+                self._path.pop()
+                self._mode = "key"
+            else:
+                self._path[-1] += 1  # type: ignore[operator]
+                self._mode = "value"
+            return
+        self._path.pop()
+        self._close(ch)
+
+    def _close(self, ch: str) -> None:
+        opener = {"}": "{", "]": "["}.get(ch)
+        if opener is None or opener != self._stack[-1]:
+            raise ValueError(ch)
+        path = tuple(self._path)
+        self._raw(path, ch)
+        self._stack.pop()
+        self._first = opener
+        self._end_value()
+
+    def _end_value(self) -> None:
+        self._events.append(("end", tuple(self._path), self._first))
+        self._mode = "after"
+        self.done = not self._stack
+
+    def _string_char(self, ch: str) -> tuple[str, bool]:
+        """(decoded text, string ended) for one character of a string's source."""
+        if not self._esc:
+            if ch == '"':
+                return "", True
+            if ch == "\\":
+                self._esc = ch
+                return "", False
+            return ch, False
+        esc = self._esc = self._esc + ch
+        n = len(esc)
+        if (n == 2 and ch != "u") or (n == 8 and ch != "u"):
+            return self._unescape(), False
+        if n == 6 and not _high(esc):
+            return self._unescape(), False
+        if n == 12:  # a high surrogate, then \uXXXX: a pair, or the second one stands alone
+            if 0xDC00 <= int(esc[8:12], 16) < 0xE000:
+                return self._unescape(), False
+            self._esc = esc[:6]
+            text, self._esc = self._unescape(), esc[6:]
+            return (text, False) if _high(self._esc) else (text + self._unescape(), False)
+        if n == 7 and ch != "\\":  # a lone high surrogate, then an ordinary character
+            self._esc = esc[:6]
+            text = self._unescape()
+            more, ended = self._string_char(ch)
+            return text + more, ended
+        return "", False
+
+    def _unescape(self) -> str:
+        text = json.loads('"' + self._esc + '"')
+        self._esc = ""
+        return text
+
+
+def _high(escape: str) -> bool:
+    """``escape`` (``\\uXXXX``) is a UTF-16 high surrogate (the first of a pair)."""
+    return 0xD800 <= int(escape[2:6], 16) < 0xDC00

@@ -398,3 +398,27 @@ def test_no_c_step_without_the_kernels(tmp_path):
     path = save_hf(build_hf(llama_config()), tmp_path / "llama")
     net, _ = load_model(path, torch.float32, "cpu", cpu_kernels=False)
     assert net.model.step_plan is None
+
+
+@needs_step
+def test_cache_pointers_follow_every_k_and_v_tensor(tmp_path):
+    """The fused step's cached K/V pointer arrays are rebuilt when any cache tensor moves:
+    engines sharing one model bring their own caches, and a new one's K tensors may sit where
+    a freed one's did while its V tensors do not (the kernel then wrote freed memory)."""
+    import ctypes
+
+    from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
+
+    path = save_hf(build_hf(llama_config()), tmp_path / "llama")
+    plan = load_model(path, torch.float32, "cpu")[0].model.step_plan
+    ks = [torch.zeros(4, 4, 2, 16) for _ in range(3)]
+    first = [(k, torch.zeros_like(k)) for k in ks]
+    second = [(k, torch.zeros_like(k)) for k in ks]  # the same K tensors, new V tensors
+    for caches in (first, second, first):
+        k_arr, v_arr = plan._cache_ptrs(caches)
+        assert [ctypes.cast(k_arr, ctypes.POINTER(ctypes.c_void_p))[i] for i in range(3)] == [
+            k.data_ptr() for k, _ in caches
+        ]
+        assert [ctypes.cast(v_arr, ctypes.POINTER(ctypes.c_void_p))[i] for i in range(3)] == [
+            v.data_ptr() for _, v in caches
+        ]

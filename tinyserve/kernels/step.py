@@ -92,7 +92,11 @@ class StepPlan:
         self._caches: tuple[int, ctypes.Array, ctypes.Array] | None = None
 
     def _cache_ptrs(self, kv_caches) -> tuple[ctypes.Array, ctypes.Array]:
-        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        """The layers' K and V cache pointers as C arrays, rebuilt when any pointer changes.
+        Keyed by every K *and* V pointer: engines sharing one model (the tests) each bring
+        their own caches, and a new engine's K tensors can land where a freed engine's did
+        while its V tensors do not (a key of K alone handed the kernel freed V memory)."""
+        key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
         if self._caches is None or self._caches[0] != key:
             n = len(kv_caches)
             ks = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kv_caches))

@@ -6,6 +6,7 @@
 Needs matplotlib (``pip install -e '.[bench]'``). Draws whatever inputs exist:
   peers.json    -> throughput_vs_concurrency.png, ttft_tpot.png
   offline.json  -> static_vs_continuous.png
+  spec_decode.json -> spec_decode.png
 """
 
 from __future__ import annotations
@@ -108,6 +109,26 @@ def plot_offline(data: dict, out: Path) -> list[Path]:
     return [p]
 
 
+def plot_spec(data: dict, out: Path) -> list[Path]:
+    """Output tok/s with speculative decoding off and on, per workload and concurrency."""
+    plt = _plt()
+    cells = data["cells"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    xs = list(range(len(cells)))
+    ax.bar([x - 0.2 for x in xs], [c["off_tok_s"] for c in cells], 0.4, label="off")
+    ax.bar([x + 0.2 for x in xs], [c["on_tok_s"] for c in cells], 0.4, label="ngram, k = 4")
+    for x, c in zip(xs, cells, strict=True):
+        ax.text(x + 0.2, c["on_tok_s"], f"{c['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(xs, [f"{c['workload']}\nc={c['concurrency']}" for c in cells])
+    ax.set_ylabel("output tok/s (median)")
+    ax.set_title(f"Speculative decoding, served — {describe(data['machine'])}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    p = out / "spec_decode.png"
+    fig.savefig(p, dpi=110)
+    return [p]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--results", default="benchmarks/results")
@@ -121,6 +142,8 @@ def main() -> None:
         written += plot_peers(json.loads((res / "peers.json").read_text()), out)
     if (res / "offline.json").is_file():
         written += plot_offline(json.loads((res / "offline.json").read_text()), out)
+    if (res / "spec_decode.json").is_file():
+        written += plot_spec(json.loads((res / "spec_decode.json").read_text()), out)
     for p in written:
         print(p)
 

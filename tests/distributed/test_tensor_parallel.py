@@ -85,6 +85,22 @@ def test_engine_tp2_greedy_equals_tp1(tiny_paths):
     assert all(not p.is_alive() for p in procs)  # close() let the workers exit
 
 
+def test_speculative_decoding_under_tensor_parallel(tiny_paths):
+    """The driver drafts and verifies; the ranks run the broadcast batch with the drafts in
+    it: greedy tokens at TP=2 with speculation equal one process without it."""
+    loop = random_tokens(6, seed=3)
+    prompts = [loop * 3, random_tokens(9, seed=9) * 2]  # repeated: the proposer has matches
+    kw = dict(dtype="float32", device="cpu", load_tokenizer=False, block_size=4)
+    with LLM(tiny_paths["qwen2"], **kw) as llm:
+        want = _greedy(llm, prompts, 16)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    with LLM(tiny_paths["qwen2"], tensor_parallel_size=2, speculative_config=spec, **kw) as llm:
+        got = _greedy(llm, prompts, 16)
+        stats = llm.engine.core.proposer.stats
+    assert got == want
+    assert stats.num_drafts > 0
+
+
 def test_tp3_on_smollm2_same_greedy_tokens_as_tp1(smollm2_gguf_path):
     """SmolLM2 has 9 heads and 3 KV heads: TP=3 gives each rank 3 heads and 1 KV head."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Three colours are"]

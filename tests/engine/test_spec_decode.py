@@ -10,6 +10,7 @@ import random
 import pytest
 from conftest import (
     CORPUS,
+    Collector,
     assert_no_leaks,
     build_engine,
     drain,
@@ -108,8 +109,6 @@ def test_greedy_identical_under_preemption_and_no_stale_hashes(smol_path):
     spec = _engine(smol_path, SPEC, num_blocks=40)  # 640 slots for 12 requests: preemption
     for rid, prompt, params in reqs:
         spec.add_request(rid, prompt, params)
-    from conftest import Collector
-
     collector = Collector()
     while spec.has_unfinished():
         collector.feed(spec.step())

@@ -210,10 +210,7 @@ class KVCacheManager:
         table = self.req_to_blocks.pop(request_id, None)
         self._req_to_chain.pop(request_id, None)
         for block_id in reversed(table or ()):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free_queue[block_id] = None
+            self._release(block_id)
 
     def trim(self, request: Request) -> None:
         """Give back the blocks wholly past ``request.num_tokens`` (slots taken for
@@ -223,14 +220,17 @@ class KVCacheManager:
         if not table:
             return
         keep = -(-request.num_tokens // self.block_size)
-        chain = self._req_to_chain[request.request_id]
-        while len(table) > max(keep, len(chain.hashes)):
-            block = self.blocks[table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free_queue[block.block_id] = None
+        while len(table) > keep:
+            self._release(table.pop())
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds joins the free queue's tail."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free_queue[block_id] = None
 
     def _register_full_blocks(
         self, request: Request, table: list[int], chain: _HashChain, num_full: int

@@ -157,8 +157,10 @@ class Scheduler:
         return changed
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """Speculative drafts for a request that decodes one token this step, or []."""
-        if self.proposer is None or num_new != 1:
+        """Speculative drafts for a request that decodes one token this step, or []: not
+        for the last token of a prompt chunk (its drafts would run as prompt rows, whose
+        kernel path differs from decode rows' with int8 decode activations)."""
+        if self.proposer is None or num_new != 1 or request.num_output_tokens == 0:
             return []
         return self.proposer.drafts(request, budget, len(self.running))
 

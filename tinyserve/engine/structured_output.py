@@ -118,8 +118,8 @@ class StructuredOutputManager:
     def fill_bitmask(self, sched: SchedulerOutput) -> None:
         """One allowed-token bitmask row per constrained request that samples this step, and
         with speculative drafts one per verified position (``grammar_rows`` holds the first):
-        row j is the mask after the first j drafts (a fork of the matcher is advanced over
-        them). Past a draft the grammar rejects, rows are never used (that draft's
+        row j is the mask after the first j drafts (the matcher walks over them and is
+        rolled back). Past a draft the grammar rejects, rows are never used (that draft's
         own row forbids it, so verification stops there) and repeat the last real one."""
         items = [it for it in sched.scheduled if it.samples and it.request.grammar is not None]
         if not items:
@@ -137,10 +137,12 @@ class StructuredOutputManager:
 
 def _fill_with_drafts(grammar, drafts: list[int], bitmask, row: int) -> None:
     grammar.fill_bitmask(bitmask, row)
-    ahead = grammar.fork() if drafts else None  # the request's own matcher stays put
+    advanced = 0  # drafts the matcher walked over: rolled back, it keeps only kept tokens
     for j, token_id in enumerate(drafts, start=1):
-        if ahead is not None and ahead.accept_tokens([token_id]):
-            ahead.fill_bitmask(bitmask, row + j)
+        if advanced == j - 1 and grammar.accept_tokens([token_id]):
+            advanced += 1
+            grammar.fill_bitmask(bitmask, row + j)
         else:
-            ahead = None
             bitmask[row + j] = bitmask[row + j - 1]
+    if advanced:
+        grammar.rollback(advanced)

@@ -10,22 +10,32 @@ decoding would have produced it, so a bad proposal costs compute, never correctn
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+
+_WIDTH = array("i").itemsize  # bytes per token id in the packed sequence
 
 
 def propose(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
     """Up to ``k`` draft tokens continuing ``tokens``, or [] when no suffix of length
-    ``lookup_min..lookup_max`` occurred earlier."""
+    ``lookup_min..lookup_max`` occurred earlier.
+
+    Runs on the scheduler's per-step path for every drafting request, so the search is
+    ``bytes.rfind`` over the packed ids (C speed), not a Python loop over the context; a
+    hit at a byte offset inside a token is skipped."""
     n = len(tokens)
     if k < 1 or n < lookup_min + 1:
         return []
+    data = array("i", tokens).tobytes()
     for size in range(min(lookup_max, n - 1), lookup_min - 1, -1):
-        suffix = list(tokens[n - size :])
-        first = suffix[0]
-        # Latest match first: recent context predicts the continuation best.
-        for start in range(n - size - 1, -1, -1):
-            if tokens[start] == first and list(tokens[start : start + size]) == suffix:
-                follow = tokens[start + size : start + size + k]
-                if follow:
-                    return list(follow)
+        suffix = data[(n - size) * _WIDTH :]
+        # An earlier occurrence starts at token s <= n - size - 1, so it ends by token n - 1
+        # and at least one token follows it.
+        end = (n - 1) * _WIDTH
+        pos = data.rfind(suffix, 0, end)
+        while pos > 0 and pos % _WIDTH:  # latest match first; skip misaligned hits
+            pos = data.rfind(suffix, 0, pos + len(suffix) - 1)
+        if pos >= 0 and pos % _WIDTH == 0:
+            start = pos // _WIDTH + size
+            return list(tokens[start : start + k])
     return []

@@ -91,13 +91,6 @@ class Matcher:
         if self._m.is_error():
             self._backend.fill_eos_only(bitmask, row)
 
-    def fork(self) -> Matcher:
-        """An independent copy at the same position: to look ahead over speculative drafts
-        without advancing (and rolling back) the request's own matcher."""
-        other = Matcher(self._backend, self._m.deep_copy())
-        other._eos_after_stop = self._eos_after_stop
-        return other
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
         ours = min(num_tokens, self._eos_after_stop)

@@ -1,0 +1,122 @@
+"""What guards the HTTP routes: the API-key check, the request-body size limit and the
+handlers that turn every error into an OpenAI-shaped body."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+_bearer = HTTPBearer(auto_error=False, description="The server's --api-key")
+
+
+async def check_api_key(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+) -> None:
+    expected: str | None = request.app.state.api_key
+    if not expected:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
+        raise OpenAIError(
+            401,
+            "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, from the
+    Content-Length header when there is one, else while the body streams in."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await _too_large(self.max_bytes).response()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # answered by the app's HTTPException handler
+                    raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+def _too_large(max_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"request body is larger than the server's limit of {max_bytes} bytes "
+        "(--max-request-bytes)",
+        "invalid_request_error",
+        code="request_too_large",
+    )
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """An HTTPException so FastAPI's body parsing re-raises it as is (a 413, not a 400)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413)
+        self.max_bytes = max_bytes
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Drop pydantic's union-branch names ("str", "list[int]") from the location.
+        loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int")]
+        where = ".".join(loc)
+        param = param or (where or None)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, _BodyTooLarge):
+            return _too_large(exc.max_bytes).response()
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = OpenAIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        err = OpenAIError(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return err.response()

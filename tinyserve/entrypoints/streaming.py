@@ -84,6 +84,7 @@ def usage_info(usage: Usage | None) -> P.UsageInfo:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=usage.cached_tokens),
     )
 
 

@@ -30,6 +30,7 @@ from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.http_guards import BodySizeLimit, check_api_key, install_error_handlers
 from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from tinyserve.entrypoints.playground import playground_router
 from tinyserve.entrypoints.protocol import OpenAIError
 from tinyserve.entrypoints.serving import OpenAIServing
 
@@ -160,6 +161,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
         _metrics_route(api)
     app.include_router(api)
     app.include_router(_open_router(with_metrics=not config.metrics_require_key))
+    app.include_router(playground_router())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     return app

@@ -32,6 +32,7 @@ from tinyserve.entrypoints.http_guards import BodySizeLimit, check_api_key, inst
 from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.entrypoints.protocol import OpenAIError
 from tinyserve.entrypoints.serving import OpenAIServing
+from tinyserve.entrypoints.serving_responses import responses_router
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     if config.metrics_require_key:
         _metrics_route(api)
     app.include_router(api)
+    app.include_router(responses_router())
     app.include_router(_open_router(with_metrics=not config.metrics_require_key))
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)

@@ -212,6 +212,7 @@ def test_text_format_json_schema(oai):
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
         ({"input": []}, "input"),
         ({"temperature": -1.0}, "temperature"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
@@ -239,7 +240,7 @@ def test_disconnects_abort(server):
             "ignore_eos": True}  # fmt: skip
     with httpx.stream("POST", server.url("/v1/responses"), json={**body, "stream": True}) as r:
         for n, _ in enumerate(r.iter_lines()):
-            if n == 12:  # a few deltas in
+            if n == 24:  # 8 events (3 lines each): 4 text deltas in
                 break
         assert server.async_engine.stats().num_running == 1
     assert wait_until(lambda: _idle(server), timeout=2.0), server.async_engine.stats()

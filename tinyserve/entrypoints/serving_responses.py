@@ -13,6 +13,7 @@ request (streaming.outputs / until_disconnect, as for chat).
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -71,15 +72,18 @@ class ResponsesServing:
         req.check_stateless()
         choice = req.chat_tool_choice()
         tools = s.checked_tools(req.chat_tools(), choice)
-        params = self._params(req, tools, choice)
         messages = chat_messages(req.input, req.instructions)
-        # The body's size stands for the input's (templated off the loop when large).
-        prompt_ids = await off_loop(
-            _body_size(raw), s.chat_prompt_ids, messages, True, tools, choice
-        )
         response_id = new_id("resp")
-        s._log_request(response_id, req)
-        stream = await s.add(response_id, [prompt_ids], params)
+        try:  # the chat path's messages name max_tokens
+            params = self._params(req, tools, choice)
+            # The body's size stands for the input's (templated off the loop when large).
+            prompt_ids = await off_loop(
+                _body_size(raw), s.chat_prompt_ids, messages, True, tools, choice
+            )
+            s._log_request(response_id, req)
+            stream = await s.add(response_id, [prompt_ids], params)
+        except OpenAIError as e:
+            raise _max_output_tokens(e) from None
         builder = ResponseBuilder(response_head(req, response_id, s.model_name))
         if req.stream:
             events = self._events(builder, stream, s.tool_stream()() if tools else None)
@@ -135,6 +139,14 @@ def _deltas(parser: Any, text: str, finish: str | None) -> list[dict[str, Any]]:
         return [{"content": text}]
     events = parser.feed(text) + (parser.finish(finish) if finish is not None else [])
     return [delta for delta, _ in events]
+
+
+def _max_output_tokens(e: OpenAIError) -> OpenAIError:
+    """A 400 naming ``max_tokens`` names this API's field, max_output_tokens."""
+    if e.param == "max_tokens":
+        e.param = "max_output_tokens"
+        e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
+    return e
 
 
 def _body_size(raw: Request) -> int:

@@ -33,6 +33,7 @@ from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.entrypoints.playground import playground_router
 from tinyserve.entrypoints.protocol import OpenAIError
 from tinyserve.entrypoints.serving import OpenAIServing
+from tinyserve.entrypoints.serving_responses import responses_router
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     if config.metrics_require_key:
         _metrics_route(api)
     app.include_router(api)
+    app.include_router(responses_router())
     app.include_router(_open_router(with_metrics=not config.metrics_require_key))
     app.include_router(playground_router())
     install_error_handlers(app)

@@ -75,12 +75,7 @@ class ChatServing:
         if tools:
             if self.structured_outputs(req) is not None:
                 raise bad_request("tools: cannot be combined with response_format", "tools")
-            if T.hermes_template(self.tokenizer):
-                grammar = T.hermes_grammar(tools, req.tool_choice, req.parallel_tool_calls)
-                so = StructuredOutputsParams(grammar=grammar, field="tools")
-            else:
-                schema = T.envelope_schema(tools, req.tool_choice, req.parallel_tool_calls)
-                so = StructuredOutputsParams(json=schema, field="tools")
+            so = self.tool_structured_outputs(tools, req.tool_choice, req.parallel_tool_calls)
             extra["structured_outputs"] = so
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
@@ -92,17 +87,37 @@ class ChatServing:
             **extra,
         )
 
+    @staticmethod
+    def checked_tools(tools: list[T.Tool] | None, choice: T.ToolChoice | None) -> list[T.Tool]:
+        """The tools the model may call (tools.check_tools); bad ones are a 400."""
+        try:
+            return T.check_tools(tools, choice)
+        except ValueError as e:
+            raise bad_request(e, "tool_choice" if "tool_choice" in str(e) else "tools") from None
+
+    def tool_structured_outputs(
+        self, tools: list[T.Tool], tool_choice: T.ToolChoice | None, parallel: bool
+    ) -> StructuredOutputsParams:
+        """The grammar that makes the output a valid call (tools.py: Hermes blocks when the
+        template renders tools, else the JSON envelope)."""
+        if T.hermes_template(self.tokenizer):
+            grammar = T.hermes_grammar(tools, tool_choice, parallel)
+            return StructuredOutputsParams(grammar=grammar, field="tools")
+        schema = T.envelope_schema(tools, tool_choice, parallel)
+        return StructuredOutputsParams(json=schema, field="tools")
+
     def _parse_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
         if T.hermes_template(self.tokenizer):
             return T.parse_native(text)
         return T.parse_output(text)
 
+    def tool_stream(self) -> type[HermesStream] | type[EnvelopeStream]:
+        """The streamed counterpart of ``_parse_tools`` (tool_stream.py)."""
+        return HermesStream if T.hermes_template(self.tokenizer) else EnvelopeStream
+
     async def chat(self, req: P.ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        try:
-            tools = T.check_tools(req.tools, req.tool_choice)
-        except ValueError as e:
-            raise bad_request(e, "tool_choice" if "tool_choice" in str(e) else "tools") from None
+        tools = self.checked_tools(req.tools, req.tool_choice)
         params = self._chat_params(req, tools)
         prompt_ids = await off_loop(
             input_size(req.messages),
@@ -117,9 +132,7 @@ class ChatServing:
         stream = await self.add(request_id, [prompt_ids], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            tool_stream = None
-            if tools:
-                tool_stream = HermesStream if T.hermes_template(self.tokenizer) else EnvelopeStream
+            tool_stream = self.tool_stream() if tools else None
             events = self._chat_stream(request_id, stream, params, include_usage, tool_stream)
             return sse(events, self.shutdown_grace_period)
         choices, usage = await until_disconnect(raw, collect(stream), stream)

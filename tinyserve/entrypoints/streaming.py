@@ -139,20 +139,26 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
-def sse(events: AsyncIterator[dict[str, Any]], shutdown_grace_period: float) -> EventSourceResponse:
+def sse(
+    events: AsyncIterator[dict[str, Any]], shutdown_grace_period: float, typed: bool = False
+) -> EventSourceResponse:
+    """``typed``: the Responses API's framing, each event named by its ``type``
+    (``event: response.created``) and no ``[DONE]`` at the end."""
     # sse-starlette ends every stream at the server's shutdown signal unless given a grace
     # period: with it, a SIGTERM lets streams in flight finish (the drain).
     return EventSourceResponse(
-        _sse_lines(events), sep="\n", shutdown_grace_period=shutdown_grace_period
+        _sse_lines(events, typed), sep="\n", shutdown_grace_period=shutdown_grace_period
     )
 
 
-async def _sse_lines(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> AsyncIterator:
     try:
         async for event in events:
-            yield json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+            data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+            yield {"event": event["type"], "data": data} if typed else data
     except (RequestFailedError, EngineDeadError) as e:
         yield json.dumps(engine_error(e).body())
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    yield "[DONE]"
+    if not typed:
+        yield "[DONE]"

@@ -145,7 +145,7 @@ def test_api_key(fake_server):
                 c.models.list()
 
 
-def test_api_key_guards_every_route_but_health_and_metrics(fake_server):
+def test_api_key_guards_every_route_but_health_metrics_and_the_page(fake_server):
     from starlette.routing import Route
 
     def all_routes(routes):  # FastAPI keeps an included router's routes on the router
@@ -160,8 +160,10 @@ def test_api_key_guards_every_route_but_health_and_metrics(fake_server):
                 continue
             for method in sorted(route.methods - {"HEAD"}):
                 r = httpx.request(method, s.url(route.path), json={})
-                if route.path in ("/health", "/metrics"):
+                if route.path in ("/health", "/metrics", "/"):
                     assert r.status_code == 200, (method, route.path)
+                elif route.path == "/playground/{name}":  # the page's files: no key, no such file
+                    assert_error(r, 404)
                 else:
                     assert_error(r, 401)
                     checked.append(f"{method} {route.path}")

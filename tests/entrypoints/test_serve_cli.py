@@ -92,6 +92,9 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
+        page = httpx.get(base + "/", timeout=10)  # the playground, from the package's files
+        assert page.status_code == 200 and "/playground/chat.js" in page.text
+        assert httpx.get(base + "/playground/chat.js", timeout=10).status_code == 200
 
         # SIGTERM drains: a stream in flight finishes in full, then the process exits 0.
         body = {
@@ -120,7 +123,7 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
                 proc.kill()
                 proc.wait()
     text = server.log()
-    assert base in text and "SmolLM2-135M-Instruct" in text
+    assert base in text and "SmolLM2-135M-Instruct" in text and f"playground at {base}/" in text
     assert "tokens" in text and re.search(r"request chatcmpl-\w+ finished", text)
 
 

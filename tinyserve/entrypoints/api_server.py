@@ -130,12 +130,15 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     async def lifespan(app: FastAPI):
         async_engine.start()
         logger.info(
-            "serving %s at http://%s:%d (KV cache %s tokens, max_model_len %d)",
+            "serving %s at http://%s:%d (KV cache %s tokens, max_model_len %d); "
+            "playground at http://%s:%d/",
             model_name,
             config.host,
             config.port,
             info.kv_capacity_tokens,
             info.max_model_len,
+            config.host,
+            config.port,
         )
         yield
         async_engine.shutdown()

@@ -166,7 +166,8 @@ def test_api_key_guards_every_route_but_health_and_metrics(fake_server):
                     assert_error(r, 401)
                     checked.append(f"{method} {route.path}")
         assert {"POST /v1/chat/completions", "GET /openapi.json", "GET /docs"} <= set(checked)
-        assert len(checked) == 7, checked
+        assert {"GET /v1/engine/events", "GET /v1/engine/snapshot"} <= set(checked)
+        assert len(checked) == 9, checked
         good = {"Authorization": "Bearer s3cret"}
         schema = httpx.get(s.url("/openapi.json"), headers=good).json()
         assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]

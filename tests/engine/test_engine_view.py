@@ -167,3 +167,25 @@ def test_unwatched_engine_builds_no_snapshot(tiny_qwen2_path):
     assert calls["snapshot"] >= 1 and calls["begin_step"] >= 4
     assert first is not None and num_watchers == 0
     assert view.records is None  # the last watcher left: recording is off again
+
+
+def test_slow_watcher_drops_snapshots_not_steps():
+    from tinyserve.engine.view_feed import WATCHER_QUEUE, ViewFeed
+
+    posted = []
+    feed = ViewFeed(None, posted.append, lambda *a: None)
+    slow = feed.subscribe(interval_s=0.0)
+    sparse = feed.subscribe(interval_s=100.0)
+    assert feed.num_watchers == 2 and feed.interval_s == 0.0 and len(posted) == 2
+    for n in range(1, 11):  # nobody reads: the slow watcher's queue overflows
+        feed._publish({"step": n, "steps": [{"step": n}]}, None)
+    kept = [slow.queue.get_nowait() for _ in range(WATCHER_QUEUE)]
+    assert [s["step"] for s in kept] == list(range(11 - WATCHER_QUEUE, 11))
+    assert [r["step"] for s in kept for r in s["steps"]] == list(range(1, 11))
+    # The 100 s watcher got the first snapshot only; the others' steps wait for its next one.
+    assert sparse.queue.qsize() == 1 and sparse.queue.get_nowait()["step"] == 1
+    feed._publish({"step": 11, "steps": [{"step": 11}]}, sparse)  # forced (its connect)
+    assert [r["step"] for r in sparse.queue.get_nowait()["steps"]] == list(range(2, 12))
+    slow.close()
+    sparse.close()
+    assert feed.num_watchers == 0 and posted[-1] == ("watch", None)

@@ -13,6 +13,8 @@ Threads and ownership:
   engine thread applies the abort before the next step, which frees the request's blocks.
 * An exception escaping ``step()`` kills the engine thread: every pending request gets an
   ``EngineDeadError`` and ``is_healthy`` turns False; new requests are refused.
+* The live engine view (``view_feed``, view_feed.py): unwatched, the engine thread only
+  reads a watcher count after each step; watched, it builds snapshots between steps.
 """
 
 from __future__ import annotations

@@ -59,11 +59,17 @@ class Watcher:
             return
         self._pending = []
         self._last_sent = now
-        if self.queue.full():  # a slow reader: drop the oldest, keep its steps
-            older = self.queue.get_nowait()
-            if older is not None:
-                steps = older["steps"] + steps
-        self.queue.put_nowait({**snap, "steps": steps[-MAX_STEPS:]})
+        item = {**snap, "steps": steps[-MAX_STEPS:]}
+        if not self.queue.full():
+            self.queue.put_nowait(item)
+            return
+        # A slow reader: drop the oldest snapshot, its steps go to the one after it.
+        items = [self.queue.get_nowait() for _ in range(self.queue.qsize())] + [item]
+        oldest, after = items[0], items[1]
+        if oldest is not None and after is not None:
+            items[1] = {**after, "steps": (oldest["steps"] + after["steps"])[-MAX_STEPS:]}
+        for kept in items[1:]:
+            self.queue.put_nowait(kept)
 
     def end(self) -> None:
         if self.queue.full():

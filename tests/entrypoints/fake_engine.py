@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from tinyserve.engine.client import EngineInfo, EngineStats
+from tinyserve.engine.engine_view import empty_snapshot
 from tinyserve.engine.output_processor import as_prompts, child_ids
 from tinyserve.outputs import StepOutput, Usage
 from tinyserve.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.num_steps = 0
         self.num_has_unfinished_calls = 0
+        self.step_records: list[dict] | None = None  # the live view: None while unwatched
+        self.num_snapshot_calls = 0
 
     def validate_request(self, prompts, params: SamplingParams) -> None:
         for prompt in as_prompts(prompts):
@@ -117,6 +120,8 @@ class FakeEngine:
             time.sleep(self.step_delay)
         if self.explode:
             raise RuntimeError("the fake engine exploded")
+        if self.step_records is not None:
+            self.step_records.append(self._step_record())
         outputs = []
         for rid in self.running:
             s = self.seqs[rid]
@@ -163,4 +168,32 @@ class FakeEngine:
             prefix_cache_hits=0,
             prompt_tokens_total=0,
             generation_tokens_total=0,
+            num_steps=self.num_steps,
         )
+
+    # -- the live engine view: every running sequence decodes, one block each ------------------
+
+    def _step_record(self) -> dict:
+        running = len(self.running)
+        return {"step": self.num_steps, "ms": self.step_delay * 1000.0, "decode": running,
+                "prefill": [], "prefill_tokens": 0, "preempted": [], "spec_tokens": 0,
+                "running": running, "waiting": len(self.seqs) - running,
+                "kv_usage": running / 64}  # fmt: skip
+
+    def watch(self, on: bool) -> None:
+        if not on:
+            self.step_records = None
+        elif self.step_records is None:
+            self.step_records = []
+
+    def snapshot(self, take_steps: bool = True) -> dict:
+        self.num_snapshot_calls += 1
+        snap = empty_snapshot(self.num_steps, num_blocks=64)
+        stats = self.stats()
+        snap.update(running=stats.num_running, waiting=stats.num_waiting)
+        snap["kv"].update(used=stats.num_total_blocks - stats.num_free_blocks,
+                          free=stats.num_free_blocks, usage=stats.kv_cache_usage)  # fmt: skip
+        snap["pool"] = "u" * stats.num_running + "." * stats.num_free_blocks
+        if take_steps and self.step_records:
+            snap["steps"], self.step_records = self.step_records, []
+        return snap

@@ -169,7 +169,8 @@ def test_api_key_guards_every_route_but_health_metrics_and_the_page(fake_server)
                     checked.append(f"{method} {route.path}")
         assert {"POST /v1/chat/completions", "GET /openapi.json", "GET /docs",
                 "POST /v1/responses", "GET /v1/responses/{response_id}"} <= set(checked)  # fmt: skip
-        assert len(checked) == 9, checked
+        assert {"GET /v1/engine/events", "GET /v1/engine/snapshot"} <= set(checked)
+        assert len(checked) == 11, checked
         good = {"Authorization": "Bearer s3cret"}
         schema = httpx.get(s.url("/openapi.json"), headers=good).json()
         assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]

@@ -13,6 +13,8 @@ Threads and ownership:
   engine thread applies the abort before the next step, which frees the request's blocks.
 * An exception escaping ``step()`` kills the engine thread: every pending request gets an
   ``EngineDeadError`` and ``is_healthy`` turns False; new requests are refused.
+* The live engine view (``view_feed``, view_feed.py): unwatched, the engine thread only
+  reads a watcher count after each step; watched, it builds snapshots between steps.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tinyserve.engine.client import (
     SyncEngine,
 )
 from tinyserve.engine.output_processor import as_prompts
+from tinyserve.engine.view_feed import ViewFeed
 from tinyserve.outputs import StepOutput
 from tinyserve.sampling_params import SamplingParams
 
@@ -130,6 +133,8 @@ class AsyncEngine:
         self._num_seqs_in_flight = 0  # loop thread only: sum of n over _requests
         self._dead: BaseException | None = None
         self._stats: EngineStats = engine.stats()
+        # The live engine view's watchers (GET /v1/engine/events): view_feed.py.
+        self.view_feed = ViewFeed(engine, self._post, self._call_in_loop)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -300,6 +305,7 @@ class AsyncEngine:
             state.queue.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
+        self.view_feed.end()
         for state in self._requests.values():
             state.queue.put_nowait(error)
         self._requests.clear()
@@ -316,11 +322,17 @@ class AsyncEngine:
         except RuntimeError:  # the loop closed under us (shutdown)
             pass
 
+    def _post(self, cmd: tuple) -> None:
+        self._inbox.append(cmd)
+        self._wakeup.set()
+
     def _drain_inbox(self) -> None:
         engine = self.engine
         while self._inbox:
             cmd = self._inbox.popleft()
-            if cmd[0] == "add":
+            if cmd[0] in ("watch", "snapshot"):
+                self.view_feed.on_command(cmd)
+            elif cmd[0] == "add":
                 _, rid, prompt, params, arrival = cmd
                 try:
                     engine.add_request(rid, prompt, params, arrival_time=arrival, validated=True)
@@ -339,6 +351,8 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     self._stats = engine.stats()
+                    if self.view_feed.num_watchers:
+                        self.view_feed.on_idle()
                     self._wakeup.wait(poll)  # idle: sleep until add/abort/shutdown sets it
                     # While busy, step() checks the workers itself; idle, we do.
                     if (problem := self._engine_problem()) is not None:
@@ -349,6 +363,8 @@ class AsyncEngine:
                 self._stats = engine.stats()
                 if outputs:
                     self._call_in_loop(self._deliver, now, outputs)
+                if self.view_feed.num_watchers:  # the live view: nothing at all unwatched
+                    self.view_feed.after_step()
         except BaseException as e:  # noqa: BLE001 - any escape kills the engine; report it
             logger.exception("engine thread died; failing every pending request")
             self._dead = e

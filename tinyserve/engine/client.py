@@ -47,6 +47,8 @@ class EngineStats:
     generation_tokens_total: int
     # Speculative decoding's counters (spec_decode/proposer.py SpecDecodeStats), or None.
     spec_decode: object | None = None
+    # Steps run so far (EngineCore.num_steps): the live engine view's snapshots carry the same.
+    num_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,12 @@ class SyncEngine(Protocol):
     def step(self) -> list[StepOutput]: ...
 
     def stats(self) -> EngineStats: ...
+
+    def watch(self, on: bool) -> None:
+        """Start / stop recording each step for the live engine view (off: no extra work)."""
+
+    def snapshot(self, take_steps: bool = True) -> dict:
+        """The live engine view's snapshot (engine/engine_view.py has the format)."""
 
     def health_problem(self) -> str | None: ...
 

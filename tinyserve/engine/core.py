@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tinyserve.config import SchedulerConfig
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.client import EngineStats
+from tinyserve.engine.engine_view import EngineView
 from tinyserve.engine.executor import Executor
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.engine.scheduler import Scheduler
@@ -54,6 +55,8 @@ class EngineCore:
         spec = SpeculativeConfig.parse(args.speculative_config)
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.proposer)
+        self.num_steps = 0  # steps run: the live view's and /metrics' common clock
+        self.view = EngineView(self.scheduler, self.kv_cache_manager)
 
     def add_requests(self, requests: list[Request]) -> None:
         for req in requests:
@@ -69,6 +72,9 @@ class EngineCore:
     def step(self) -> EngineCoreOutput:
         self._check_health()
         scheduler_output = self.scheduler.schedule()
+        self.num_steps += 1
+        if self.view.records is not None:  # watched (engine_view.py); else no extra work
+            self.view.begin_step(self.num_steps, scheduler_output)
         if self.structured is not None:
             self.structured.fill_bitmask(scheduler_output)
         runner_output, failed = self._execute(scheduler_output)
@@ -113,4 +119,10 @@ class EngineCore:
             prompt_tokens_total=sched.prompt_tokens_total,
             generation_tokens_total=sched.generation_tokens_total,
             spec_decode=self.proposer.stats if self.proposer is not None else None,
+            num_steps=self.num_steps,
         )
+
+    def snapshot(self, take_steps: bool = True) -> dict:
+        """The live engine view's snapshot (engine_view.py): a plain dict, engine thread only."""
+        spec = self.proposer.stats if self.proposer is not None else None
+        return self.view.snapshot(self.num_steps, take_steps, spec)

@@ -104,6 +104,19 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self.req_to_blocks.get(request_id, ()))
 
+    def pool_map(self) -> str:
+        """One character per block (the live engine view): '.' free and empty, 'c' free but
+        holding a cached prefix block (reusable), 'u' held by one request, 's' held by more
+        than one (a shared prefix). Costs O(held + cached blocks), not O(pool)."""
+        chars = bytearray(b"." * self.num_total_blocks)
+        for block_id in self.cached_block_hash_to_block.values():
+            chars[block_id] = 99  # 'c'; a cached block someone holds is overwritten below
+        blocks = self.blocks
+        for table in self.req_to_blocks.values():
+            for block_id in table:
+                chars[block_id] = 115 if blocks[block_id].ref_count > 1 else 117  # 's' / 'u'
+        return chars.decode("ascii")
+
     # -- prefix cache ------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -174,10 +174,22 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        view = self.core.view
+        t0 = time.perf_counter() if view.watching else 0.0
         core_output = self.core.step()
         processed = self.output_processor.process(core_output.requests, core_output.runner_output)
         self.core.finish_requests(processed.stop_string_ids, RequestStatus.FINISHED_STOPPED)
+        if view.watching:
+            view.end_step((time.perf_counter() - t0) * 1000.0)
         return processed.outputs
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    # -- the live engine view (engine/engine_view.py) ------------------------------------------
+
+    def watch(self, on: bool) -> None:
+        self.core.view.watch(on)
+
+    def snapshot(self, take_steps: bool = True) -> dict:
+        return self.core.snapshot(take_steps)

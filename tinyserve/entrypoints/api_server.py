@@ -28,6 +28,7 @@ from tinyserve.config import ServerConfig
 from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints.engine_events import engine_events_router
 from tinyserve.entrypoints.http_guards import BodySizeLimit, check_api_key, install_error_handlers
 from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.entrypoints.playground import playground_router
@@ -165,6 +166,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
         _metrics_route(api)
     app.include_router(api)
     app.include_router(responses_router())
+    app.include_router(engine_events_router())
     app.include_router(_open_router(with_metrics=not config.metrics_require_key))
     app.include_router(playground_router())
     install_error_handlers(app)

@@ -77,6 +77,9 @@ class _EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Preemptions (by recompute).", s.num_preemptions)
         yield counter("prompt_tokens", "Prefill tokens computed.", s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        # The step counter the live engine view's snapshots carry ("step"): a scrape and a
+        # snapshot with the same count saw the same step boundary.
+        yield counter("engine_steps", "Engine steps run.", s.num_steps)
         if s.spec_decode is not None:
             yield from _spec_decode_metrics(s.spec_decode, counter, labels, value)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 
 import httpx
 import jsonschema
@@ -249,3 +250,42 @@ def test_send_is_refused_while_an_answer_streams(browser, fake_server):
         assert wait_until(lambda: not busy(browser), 5)
         assert [m["role"] for m in messages(browser)] == ["user", "assistant"]
         assert wait_until(lambda: s.async_engine.num_requests_in_flight == 0, 5)
+
+
+def engine_steps(base_url: str) -> int:
+    """The engine's step counter, from /metrics."""
+    text = httpx.get(base_url + "/metrics").text
+    return int(
+        float(re.search(r"^tinyserve:engine_steps_total(?:\{[^}]*\})? (\S+)", text, re.M)[1])
+    )
+
+
+def test_engine_panel_follows_the_engine(browser, server):
+    open_page(browser, server.base_url)
+    view = browser.find_element(By.ID, "engine")
+    assert wait_until(lambda: view.get_attribute("data-step"), 10), "no first snapshot"
+    body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me about the moon."}]}  # fmt: skip
+    post = lambda: httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)  # noqa: E731
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+    seen = []
+
+    def watch():
+        attrs = ("data-step", "data-running")
+        seen.append([int(view.get_attribute(a)) for a in attrs] + [
+            int(browser.find_element(By.ID, "kv-pool").get_attribute("data-used") or 0),
+            len(browser.find_elements(By.CSS_SELECTOR, '#engine-requests tr[data-state="running"]')),
+        ])  # fmt: skip
+        return not any(t.is_alive() for t in threads)
+
+    assert wait_until(watch, 120, interval=0.05)
+    assert len({s[0] for s in seen}) >= 3, "the panel did not update while requests ran"
+    assert max(s[1] for s in seen) >= 2 and max(s[2] for s in seen) > 0
+    assert max(s[3] for s in seen) >= 2  # the requests table listed them
+    g = wait_idle(server.base_url)
+    metrics_steps = engine_steps(server.base_url)
+    assert wait_until(lambda: view.get_attribute("data-running") == "0", 10)
+    assert wait_until(lambda: int(view.get_attribute("data-step")) == metrics_steps, 10)
+    assert float(view.get_attribute("data-kv-usage")) == pytest.approx(g["kv_cache_usage_perc"])

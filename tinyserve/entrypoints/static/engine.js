@@ -14,7 +14,7 @@ const Engine = (() => {
   let retryMs = 500;
 
   const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
-  const short = (id) => (id.length > 18 ? `${id.slice(0, 8)}…${id.slice(-6)}` : id);
+  const short = (id) => (id.length > 12 ? `…${id.slice(-8)}` : id);
 
   function status(text) { $("engine-status").textContent = text; }
 

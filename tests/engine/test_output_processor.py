@@ -129,4 +129,7 @@ def test_engine_core_step_is_schedule_execute_update():
         for n in sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
         if isinstance(n.func, ast.Attribute)
     ]
-    assert calls == ["_check_health", "schedule", "fill_bitmask", "_execute", "update_from_output"]
+    # begin_step: the live engine view's per-step record, only while someone watches.
+    assert calls == [
+        "_check_health", "schedule", "begin_step", "fill_bitmask", "_execute", "update_from_output"
+    ]  # fmt: skip

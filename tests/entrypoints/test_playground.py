@@ -142,6 +142,7 @@ def test_chat_streams_in_increments_and_survives_a_reload(browser, server):
     usage = ref["usage"]
     assert f"{usage['prompt_tokens']} prompt" in stats and "TTFT" in stats and "tok/s" in stats
     assert f"+ {usage['completion_tokens']} completion tokens" in stats
+    assert re.search(r"\(\d+ cached\)", stats)
     browser.refresh()
     assert wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"), 10)
     assert browser.find_element(By.CSS_SELECTOR, "#conversations li").text.startswith("Name three")
@@ -178,9 +179,12 @@ def test_regenerate_and_edit_resend(browser, fake_server):
     with fake_server() as s:
         open_page(browser, s.base_url)
         set_field(browser, "max-tokens", "3")
-        send(browser, "hello")
+        box = browser.find_element(By.ID, "input")
+        box.send_keys("hel", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "lo")  # Shift+Enter: a new line
+        assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
+        box.send_keys(Keys.ENTER)
         wait_answer(browser)
-        assert [m["content"] for m in messages(browser)] == ["hello", "t0 t1 t2 "]
+        assert [m["content"] for m in messages(browser)] == ["hel\nlo", "t0 t1 t2 "]
         browser.find_element(By.CSS_SELECTOR, '.msg.assistant [data-act="regenerate"]').click()
         assert wait_until(lambda: finished_count(s.base_url) == 2, 5)
         wait_answer(browser)

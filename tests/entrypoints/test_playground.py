@@ -4,6 +4,7 @@ matters, the FakeEngine where timing or determinism must be controlled."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,18 @@ def browser():
     driver = start_browser()
     yield driver
     driver.quit()
+
+
+@contextlib.contextmanager
+def page_on(browser, server_context):
+    """Serve (a ``fake_server(...)`` context) and leave the page before the server stops:
+    leaving closes the page's engine-view stream (on pagehide), which would otherwise hold
+    the in-process server's shutdown for 30 s."""
+    with server_context as s:
+        try:
+            yield s
+        finally:
+            browser.get("about:blank")
 
 
 def open_page(browser, base_url: str) -> None:
@@ -67,8 +80,10 @@ def wait_answer(browser, timeout: float = 60) -> None:
 
 def live_deltas(browser) -> int:
     """How many deltas the answer on screen has received so far (its data-deltas)."""
-    els = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")
-    return int(els[-1].get_attribute("data-deltas") or 0) if els else 0
+    return browser.execute_script(  # one call: the element is re-rendered as it streams
+        "const els = document.querySelectorAll('.msg.assistant');"
+        "return els.length ? Number(els[els.length - 1].dataset.deltas || 0) : 0;"
+    )
 
 
 def stored(browser) -> dict:
@@ -98,7 +113,7 @@ def test_page_and_its_files_load_without_the_key_and_from_nowhere_else(fake_serv
 
 
 def test_markdown_is_escaped_and_renders_code(browser, fake_server):
-    with fake_server() as s:
+    with page_on(browser, fake_server()) as s:
         open_page(browser, s.base_url)
         html = browser.execute_script(
             "return Markdown.render(arguments[0])",
@@ -116,11 +131,15 @@ def test_chat_streams_in_increments_and_survives_a_reload(browser, server):
     send(browser, "Name three colors.")
     lengths = set()
 
-    def watch():
-        els = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .content")
-        if els:
-            lengths.add(len(els[-1].text))
-        return els and not busy(browser)
+    def watch():  # one script call: the page re-renders the element as it streams
+        text, is_busy = browser.execute_script(
+            "const els = document.querySelectorAll('.msg.assistant .content');"
+            "return [els.length ? els[els.length - 1].textContent : null,"
+            " document.body.dataset.busy === '1'];"
+        )
+        if text is not None:
+            lengths.add(len(text))
+        return text is not None and not is_busy
 
     assert wait_until(watch, 60, interval=0.005)
     assert len(lengths - {0}) >= 3, f"the answer did not arrive in increments: {lengths}"
@@ -176,7 +195,7 @@ def test_stop_aborts_the_request_on_the_server(browser, server):
 
 
 def test_regenerate_and_edit_resend(browser, fake_server):
-    with fake_server() as s:
+    with page_on(browser, fake_server()) as s:
         open_page(browser, s.base_url)
         set_field(browser, "max-tokens", "3")
         box = browser.find_element(By.ID, "input")
@@ -201,7 +220,7 @@ def test_regenerate_and_edit_resend(browser, fake_server):
 
 
 def test_api_key_is_asked_once_and_sent(browser, fake_server):
-    with fake_server(api_key="sekret") as s:
+    with page_on(browser, fake_server(api_key="sekret")) as s:
         browser.get(s.base_url + "/")
         browser.execute_script("localStorage.clear()")
         browser.get(s.base_url + "/")
@@ -245,7 +264,7 @@ def test_json_schema_and_tool_modes(browser, server):
 
 
 def test_send_is_refused_while_an_answer_streams(browser, fake_server):
-    with fake_server(step_delay=0.02) as s:
+    with page_on(browser, fake_server(step_delay=0.02)) as s:
         open_page(browser, s.base_url)
         send(browser, "first")
         assert wait_until(lambda: busy(browser), 5)

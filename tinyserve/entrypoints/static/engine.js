@@ -154,6 +154,13 @@ const Engine = (() => {
     $("engine-live").addEventListener("change", (ev) => (ev.target.checked ? start() : stop()));
     $("kv-pool").addEventListener("mousemove", onPoolHover);
   });
+  // Nobody looks at a hidden tab or a page being left: close the stream, so the server
+  // stops sampling the engine (a page kept in the back/forward cache would hold it open).
+  window.addEventListener("pagehide", () => stop());
+  document.addEventListener("visibilitychange", () => {
+    if (document.visibilityState === "hidden") stop();
+    else start();
+  });
 
   return { start, stop, restart, last: () => last };
 })();

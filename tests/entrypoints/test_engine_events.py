@@ -10,20 +10,14 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tinyserve.testing.server import wait_until
+from tinyserve.testing.server import metric_samples, wait_until
 
 KEY = "sk-events"
 
 
 def _scrape(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name.removeprefix("tinyserve:")] = sample.value
-    return out
+    return {name: value for name, _, value in metric_samples(base_url)}
 
 
 def _snapshots(response, pings: bool = False):

@@ -17,7 +17,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from tinyserve.testing.browser import find_browser, start_browser
-from tinyserve.testing.server import engine_gauges, wait_idle, wait_until
+from tinyserve.testing.server import engine_gauges, metric_samples, wait_idle, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 STATIC = ("index.html", "style.css", "markdown.js", "api.js", "chat.js", "engine.js", "main.js")
@@ -168,11 +168,13 @@ def test_chat_streams_in_increments_and_survives_a_reload(browser, server):
     assert messages(browser)[1]["content"] == answer["content"]
 
 
-def finished_count(base_url: str, reason: str = r"[^\"]+") -> float:
+def finished_count(base_url: str, reason: str | None = None) -> float:
     """Requests the server has finished (with ``reason``), from /metrics."""
-    text = httpx.get(base_url + "/metrics").text
-    pattern = rf'request_success_total\{{[^}}]*finished_reason="{reason}"[^}}]*\}} (\S+)'
-    return sum(float(v) for v in re.findall(pattern, text))
+    return sum(
+        value
+        for name, labels, value in metric_samples(base_url)
+        if name == "request_success_total" and reason in (None, labels.get("finished_reason"))
+    )
 
 
 def test_stop_aborts_the_request_on_the_server(browser, server):
@@ -277,10 +279,7 @@ def test_send_is_refused_while_an_answer_streams(browser, fake_server):
 
 def engine_steps(base_url: str) -> int:
     """The engine's step counter, from /metrics."""
-    text = httpx.get(base_url + "/metrics").text
-    return int(
-        float(re.search(r"^tinyserve:engine_steps_total(?:\{[^}]*\})? (\S+)", text, re.M)[1])
-    )
+    return int(next(v for name, _, v in metric_samples(base_url) if name == "engine_steps_total"))
 
 
 def test_engine_panel_follows_the_engine(browser, server):

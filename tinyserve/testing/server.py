@@ -96,16 +96,30 @@ def rss_bytes(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def engine_gauges(base_url: str, headers: dict | None = None) -> dict[str, float]:
-    """The engine's gauges from /metrics (names without the ``tinyserve:`` prefix)."""
+def _families(base_url: str, headers: dict | None = None):
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        if family.type == "gauge" and family.samples:
-            out[family.name.removeprefix("tinyserve:")] = family.samples[0].value
-    return out
+    return list(text_string_to_metric_families(text))
+
+
+def metric_samples(base_url: str, headers: dict | None = None) -> list[tuple[str, dict, float]]:
+    """Every sample of /metrics: (name without the ``tinyserve:`` prefix, labels, value);
+    a counter's sample is named ``<name>_total``."""
+    return [
+        (sample.name.removeprefix("tinyserve:"), sample.labels, sample.value)
+        for family in _families(base_url, headers)
+        for sample in family.samples
+    ]
+
+
+def engine_gauges(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """The engine's gauges from /metrics (names without the ``tinyserve:`` prefix)."""
+    return {
+        family.name.removeprefix("tinyserve:"): family.samples[0].value
+        for family in _families(base_url, headers)
+        if family.type == "gauge" and family.samples
+    }
 
 
 def wait_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:

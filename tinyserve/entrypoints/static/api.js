@@ -85,5 +85,5 @@ const Api = (() => {
     }
   }
 
-  return { request, getJson, events, askKey, HttpError, KEY };
+  return { request, getJson, events, askKey };
 })();

@@ -221,5 +221,5 @@ const Chat = (() => {
 
   return { load, save, saveSettings, current, newConversation, complete, stop, render,
     showError, setModel: (m) => { modelName = m; }, busy: () => controller !== null,
-    state: () => state, messageElement };
+    state: () => state };
 })();

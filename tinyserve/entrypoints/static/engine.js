@@ -162,5 +162,5 @@ const Engine = (() => {
     else start();
   });
 
-  return { start, stop, restart, last: () => last };
+  return { start, stop, restart };
 })();

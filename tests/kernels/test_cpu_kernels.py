@@ -208,8 +208,10 @@ needs_attention_kernel = pytest.mark.skipif(
 def test_block_table_attention_matches_the_reference(heads, kv_heads, dim, block_size):
     from tinyserve.layers.attention import AttentionMetadata, paged_attention
 
-    query_lens = [1, 1, 7, 1, 16, 3]
-    seq_lens = [1, 37, 40, 2 * block_size, 16, 3 * block_size + 1]
+    # Contexts of one key to several 64-key chunks (the kernel's split), rows on both sides
+    # of a chunk boundary (64 / 65 keys), a run of 16 rows (two 8-row groups).
+    query_lens = [1, 1, 7, 1, 16, 3, 2]
+    seq_lens = [1, 37, 140, 2 * block_size, 200, 3 * block_size + 1, 65]
     q, kc, vc, tables = _random_paged_case(heads, kv_heads, dim, block_size, query_lens,
                                            seq_lens, seed=heads)  # fmt: skip
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, use_kernel=True)

@@ -7,105 +7,238 @@
 // Sequence s owns flat rows query_start_loc[s] .. query_start_loc[s+1]-1, at positions
 // seq_lens[s] - q_len .. seq_lens[s] - 1; query row i sees keys 0 .. its position.
 //
-// One work item is (query row, KV head): its H/KVH query heads share each key and value
-// read. Every item computes its scores, softmax and weighted sum in one fixed order over
-// the keys, so a row's output never depends on which other rows share the step (batch
-// invariance), only on its own context.
+// A query row's keys are cut into chunks of CHUNK (flash-decoding): each chunk gives, for the
+// H/KVH query heads sharing a KV head, its score maximum m, its sum l of exp(s - m) and its
+// weighted sum o of the values; the chunks are then combined in order. The cut depends only
+// on the row's own position, never on the batch, and a chunk's arithmetic is the same
+// whichever thread computes it, so a row's output never depends on which other rows share
+// the step (batch invariance). Chunks are what let one decode row use every thread.
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <math.h>
 
-static inline float dot(const float *a, const float *b, int D) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (int d = 8; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    return hsum8(acc);
+#define CHUNK 64  // keys per chunk
+
+// Lane i = hsum of a[i]: the 8 dot products of a key group as one vector.
+INLINE __m256 hsum8x8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static __thread float *scratch = NULL;
+// o[0 .. 8*NV) = sum_i p[i] * v_i[d0 ..], the accumulators in registers.
+INLINE void weighted_sum(const float *const *vp, const float *p, int n, int64_t d0, int NV,
+                         float *o) {
+    __m256 acc[8];
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        const __m256 pb = _mm256_set1_ps(p[i]);
+        const float *row = vp[i] + d0;
+        for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row + v * 8), acc[v]);
+    }
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + v * 8, acc[v]);
+}
+
+typedef struct {
+    const float *k_cache, *v_cache;
+    int block_size, H, KVH, D;
+    float scale;
+} attn_t;
+
+// The partial of keys j0 .. j0+n-1 (n <= CHUNK) for the G heads of KV head g: part[h] holds
+// m, l, o[D] (stride D + 2). scratch: 2 * CHUNK pointers' room + G * CHUNK floats.
+static void chunk_partial(const attn_t *a, const float *q, const int32_t *table, int64_t g,
+                          int64_t j0, int n, float *part, void *scratch) {
+    const int G = a->H / a->KVH, D = a->D;
+    const float **kp = (const float **)scratch, **vp = kp + CHUNK;
+    float *p = (float *)(vp + CHUNK);
+    const int64_t row = (int64_t)a->KVH * D;  // floats per cache slot
+    int64_t blk = j0 / a->block_size, off = j0 % a->block_size;  // no division per key
+    for (int i = 0; i < n; i++) {
+        const int64_t at = ((int64_t)table[blk] * a->block_size + off) * row + g * D;
+        kp[i] = a->k_cache + at;
+        vp[i] = a->v_cache + at;
+        if (++off == a->block_size) off = 0, blk++;
+    }
+    for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = kp[n - 1];  // padding lanes: masked below
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int h = 0; h < G; h++) {
+        const float *qh = q + (g * G + h) * D;
+        float *ph = p + h * CHUNK, *out = part + h * (D + 2);
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int i0 = 0; i0 < n; i0 += 8) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                for (int i = 0; i < 8; i++)
+                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[i0 + i] + d), acc[i]);
+            }
+            __m256 s = _mm256_mul_ps(hsum8x8(acc), scale);
+            if (i0 + 8 > n) {
+                __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i0), lane);
+                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(keep));
+            }
+            _mm256_storeu_ps(ph + i0, s);
+            mx = _mm256_max_ps(mx, s);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        const float m = _mm_cvtss_f32(m4);
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sum = _mm256_setzero_ps();
+        for (int i0 = 0; i0 < n; i0 += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
+            if (i0 + 8 > n) {  // the padding lanes count for nothing
+                __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i0), lane);
+                e = _mm256_and_ps(e, _mm256_castsi256_ps(keep));
+            }
+            _mm256_storeu_ps(ph + i0, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        out[0] = m;
+        out[1] = hsum8(sum);
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) weighted_sum(vp, ph, n, d0, 8, out + 2 + d0);
+        for (; d0 + 32 <= D; d0 += 32) weighted_sum(vp, ph, n, d0, 4, out + 2 + d0);
+        for (; d0 < D; d0 += 8) weighted_sum(vp, ph, n, d0, 1, out + 2 + d0);
+    }
+}
+
+// The chunks' partials of one (row, KV head), in order, into its G output heads.
+static void combine(const float *parts, int64_t nc, int G, int D, float *out) {
+    const int64_t stride = (int64_t)G * (D + 2);
+    for (int h = 0; h < G; h++) {
+        float m = -INFINITY;
+        for (int64_t c = 0; c < nc; c++) m = fmaxf(m, parts[c * stride + h * (D + 2)]);
+        float l = 0.0f;
+        float *o = out + h * D;
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+        for (int64_t c = 0; c < nc; c++) {
+            const float *pc = parts + c * stride + h * (D + 2);
+            const float w = expf(pc[0] - m);
+            l += w * pc[1];
+            const __m256 wv = _mm256_set1_ps(w);
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(pc + 2 + d), _mm256_loadu_ps(o + d)));
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / l);
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+    }
+}
+
+static __thread char *scratch = NULL;
 static __thread int64_t scratch_cap = 0;
 
-static float *get_scratch(int64_t n) {
-    if (n > scratch_cap) {
+static void *get_scratch(int64_t bytes) {
+    if (bytes > scratch_cap) {
         free(scratch);
-        scratch = (float *)aligned_alloc(32, ((n + 7) / 8) * 8 * sizeof(float));
-        scratch_cap = scratch ? n : 0;
+        scratch = (char *)aligned_alloc(32, (bytes + 31) / 32 * 32);
+        scratch_cap = scratch ? bytes : 0;
     }
     return scratch;
 }
 
-// Returns 0, or -1 when scratch memory could not be had.
-static int attend(const float *q, const float *k_cache, const float *v_cache,
-                  int block_size, int H, int KVH, int D, const int32_t *table, int64_t pos,
-                  int64_t g, float scale, float *out) {
-    const int G = H / KVH;
-    const int64_t n_keys = pos + 1, stride = (n_keys + 7) / 8 * 8;
-    float *s = get_scratch(G * stride + G * D);
-    if (s == NULL) return -1;
-    float *acc = s + G * stride;
-    float mx[16];
-    for (int h = 0; h < G; h++) mx[h] = -INFINITY;
-    for (int64_t j = 0; j < n_keys; j++) {
-        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-        const float *k = k_cache + (slot * KVH + g) * D;
-        for (int h = 0; h < G; h++) {
-            float v = dot(q + (g * G + h) * D, k, D) * scale;
-            s[h * stride + j] = v;
-            if (v > mx[h]) mx[h] = v;
-        }
-    }
-    float inv[16];
-    for (int h = 0; h < G; h++) {
-        float *sh = s + h * stride;
-        for (int64_t j = n_keys; j < stride; j++) sh[j] = -INFINITY;
-        __m256 m = _mm256_set1_ps(mx[h]), sum = _mm256_setzero_ps();
-        for (int64_t j = 0; j < stride; j += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m));
-            if (j + 8 > n_keys) {  // the padding lanes count for nothing
-                __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n_keys - j)), lane);
-                e = _mm256_and_ps(e, _mm256_castsi256_ps(keep));
-            }
-            _mm256_storeu_ps(sh + j, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        inv[h] = 1.0f / hsum8(sum);
-        for (int d = 0; d < D; d++) acc[h * D + d] = 0.0f;
-    }
-    for (int64_t j = 0; j < n_keys; j++) {
-        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-        const float *v = v_cache + (slot * KVH + g) * D;
-        for (int h = 0; h < G; h++) {
-            __m256 p = _mm256_set1_ps(s[h * stride + j]);
-            float *a = acc + h * D;
-            for (int d = 0; d < D; d += 8)
-                _mm256_storeu_ps(a + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
-        }
-    }
-    for (int h = 0; h < G; h++) {
-        __m256 iv = _mm256_set1_ps(inv[h]);
-        float *o = out + (g * G + h) * D;
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + d), iv));
-    }
-    return 0;
+static int64_t chunk_scratch_bytes(int G) {
+    return 2 * CHUNK * (int64_t)sizeof(float *) + (int64_t)G * CHUNK * sizeof(float);
+}
+
+#define GROUP 8  // consecutive rows of one sequence that share each chunk's key/value reads
+
+// Row t's partial of chunk c (keys c*CHUNK .. min(pos, c*CHUNK + CHUNK - 1)).
+static void row_chunk(const attn_t *a, const float *q, int64_t q_stride, int64_t t, int64_t pos,
+                      const int32_t *table, int64_t g, int64_t c, float *part, void *sc) {
+    const int64_t j0 = c * CHUNK, n = pos + 1 - j0 < CHUNK ? pos + 1 - j0 : CHUNK;
+    chunk_partial(a, q + t * q_stride, table, g, j0, (int)n, part, sc);
 }
 
 // Entry point (ctypes). block_tables: int32 [num_seqs, max_blocks]; seq_of_token: int64 [T].
-// Requires D % 8 == 0 and H / KVH <= 16. Returns 0, or -1 if scratch memory ran out.
+// Requires D % 8 == 0. Returns 0, or -1 if memory ran out.
+//
+// Work is cut into groups of up to GROUP consecutive rows of one sequence (a verification
+// run, a prefill chunk's rows): a group reads each chunk of keys and values once for all its
+// rows. With many (group, KV head) pairs each pair is a work item and walks its chunks; with
+// few (decode at small batch, one verification run) every (group, KV head, chunk) is one.
 int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                     int block_size, int H, int KVH, int D, const int64_t *query_start_loc,
                     const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,
                     const int32_t *block_tables, int64_t max_blocks, float scale, float *out,
                     int nthreads) {
-    const int64_t items = T * KVH;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) reduction(| : failed)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t t = it / KVH, g = it % KVH, s = seq_of_token[t];
+    const attn_t a = {k_cache, v_cache, block_size, H, KVH, D, scale};
+    const int G = H / KVH;
+    const int64_t pf = (int64_t)G * (D + 2);  // floats of one chunk's partial
+    // pos[t]: row t's last key; first[t]: chunks before row t; grp: group starts (ng + 1);
+    // gfirst[i]: chunks of the groups before group i (a group has its last row's chunks).
+    int64_t *buf = (int64_t *)malloc((4 * T + 3) * sizeof(int64_t));
+    if (buf == NULL) return -1;
+    int64_t *pos = buf, *first = pos + T, *grp = first + T + 1, *gfirst = grp + T + 1, ng = 0;
+    first[0] = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = seq_of_token[t];
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        const int64_t pos = seq_lens[s] - q_len + (t - query_start_loc[s]);
-        failed |= attend(q + t * q_stride, k_cache, v_cache, block_size, H, KVH, D,
-                         block_tables + s * max_blocks, pos, g, scale, out + t * H * D);
+        pos[t] = seq_lens[s] - q_len + (t - query_start_loc[s]);
+        first[t + 1] = first[t] + pos[t] / CHUNK + 1;
+        if (t == 0 || seq_of_token[t - 1] != s || t - grp[ng - 1] == GROUP) grp[ng++] = t;
     }
+    grp[ng] = T;
+    gfirst[0] = 0;
+    for (int64_t i = 0; i < ng; i++) gfirst[i + 1] = gfirst[i] + pos[grp[i + 1] - 1] / CHUNK + 1;
+    int failed = 0;
+    if (ng * KVH >= 8 * (int64_t)nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
+        for (int64_t it = 0; it < ng * KVH; it++) {
+            const int64_t i = it / KVH, g = it % KVH, t0 = grp[i], t1 = grp[i + 1];
+            const int64_t ncm = gfirst[i + 1] - gfirst[i];
+            char *sc = (char *)get_scratch(chunk_scratch_bytes(G) + (t1 - t0) * ncm * pf * sizeof(float));
+            if (sc == NULL) {
+                failed = 1;
+                continue;
+            }
+            float *parts = (float *)(sc + chunk_scratch_bytes(G));
+            const int32_t *table = block_tables + seq_of_token[t0] * max_blocks;
+            for (int64_t c = 0; c < ncm; c++)
+                for (int64_t t = t0; t < t1; t++)
+                    if (c <= pos[t] / CHUNK)
+                        row_chunk(&a, q, q_stride, t, pos[t], table, g, c, parts + ((t - t0) * ncm + c) * pf, sc);
+            for (int64_t t = t0; t < t1; t++)
+                combine(parts + (t - t0) * ncm * pf, first[t + 1] - first[t], G, D, out + t * H * D + g * G * D);
+        }
+        free(buf);
+        return failed ? -1 : 0;
+    }
+    // Row t's partials: parts + (first[t] * KVH + g * nc_t + c) * pf.
+    float *parts = (float *)malloc(first[T] * KVH * pf * sizeof(float));
+    if (parts == NULL) {
+        free(buf);
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        void *sc = get_scratch(chunk_scratch_bytes(G));
+        if (sc == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < gfirst[ng] * KVH; it++) {
+            if (sc == NULL) continue;
+            const int64_t gc = it / KVH, g = it % KVH;
+            int64_t i = 0;
+            while (gfirst[i + 1] <= gc) i++;
+            const int64_t c = gc - gfirst[i];
+            const int32_t *table = block_tables + seq_of_token[grp[i]] * max_blocks;
+            for (int64_t t = grp[i]; t < grp[i + 1]; t++) {
+                const int64_t nc = first[t + 1] - first[t];
+                if (c < nc)
+                    row_chunk(&a, q, q_stride, t, pos[t], table, g, c, parts + (first[t] * KVH + g * nc + c) * pf, sc);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < T * KVH; it++) {
+            const int64_t t = it / KVH, g = it % KVH, nc = first[t + 1] - first[t];
+            combine(parts + (first[t] * KVH + g * nc) * pf, nc, G, D, out + t * H * D + g * G * D);
+        }
+    }
+    free(parts);
+    free(buf);
     return failed ? -1 : 0;
 }

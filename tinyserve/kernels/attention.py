@@ -1,8 +1,9 @@
 """Paged attention through the block table (attention.c, AVX2 + FMA, float32).
 
 Reads each sequence's K/V where they lie in the paged cache — no gathered copy of the
-context, no padded mask — and computes every (query row, KV head) in one fixed order, so a
-row's output does not depend on the other rows of the step (batch invariance). The torch
+context, no padded mask — in chunks of 64 keys combined in order (flash-decoding, so one
+decode row uses every thread); the cut depends only on the row's position, so a row's output
+does not depend on the other rows of the step (batch invariance). The torch
 path (layers/attention.py) is used where this kernel cannot run: no AVX2, head_dim not a
 multiple of 8, or non-float32 caches.
 """

@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""The CPU kernels at few rows, this tree against a git revision, side by side in one run.
+
+What a decode step (1 row) and a speculative verification step (1 + k rows of one
+sequence) cost in the two kernels that dominate them, on SmolLM2-135M's shapes:
+
+matmuls    the 121 products of one step: per layer qkv 960x576, o 576x576, gate_up
+           3072x576 (Q4_1 blocks), down 576x1536, x 30 layers, plus the 49152x576 Q8_0 LM
+           head; random blocks, the given row counts
+attention  30 layers of paged attention, 9 query / 3 KV heads of 64, block size 16, one
+           sequence whose last row sees --context keys, the given query rows
+
+Both versions of gemm.c / attention.c (and simd.h) are compiled here with the kernels'
+flags and timed alternately, min and median of --reps; outputs are compared bitwise.
+
+python benchmarks/bench_kernels.py [--baseline-rev HEAD~2] [--rows 1,2,3,4,5,6,8]
+    [--attention-rows 1,5,9] [--context 600] [--out benchmarks/results/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from machine import machine_info  # noqa: E402
+
+from tinyserve.kernels import gemm  # noqa: E402
+from tinyserve.kernels.build import ISA_LEVELS, _compile, isa_level  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KDIR = "tinyserve/kernels"
+P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def build(src_dir: Path, name: str, out_dir: Path) -> ctypes.CDLL:
+    so = out_dir / f"{src_dir.name}-{name}.so"
+    _compile(src_dir / f"{name}.c", so, ISA_LEVELS[isa_level()][1])
+    return ctypes.CDLL(str(so))
+
+
+def sources_at(rev: str, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for name in ("gemm.c", "attention.c", "simd.h"):
+        text = subprocess.run(["git", "show", f"{rev}:{KDIR}/{name}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout  # fmt: skip
+        (dest / name).write_text(text)
+    return dest
+
+
+def step_weights() -> list[gemm.PackedWeight]:
+    g = torch.Generator().manual_seed(0)
+
+    def q4_1(n, k):
+        qs = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g)
+        return gemm.PackedWeight(gemm.Q4_1, qs, torch.rand(n, k // 32, generator=g),
+                                 torch.rand(n, k // 32, generator=g), (n, k))  # fmt: skip
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    ws = [q4_1(n, k) for _ in range(30) for n, k in shapes]
+    qs = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
+    ws.append(gemm.PackedWeight(gemm.Q8_0, qs, torch.rand(49152, 18, generator=g), None,
+                                (49152, 576)))  # fmt: skip
+    return ws
+
+
+def time_matmuls(fns, ws, m: int, reps: int) -> tuple[list[list[float]], bool]:
+    fns = [f.gemm for f in fns]
+    for f in fns:
+        f.argtypes, f.restype = [I32, P, P, P, P, I64, P, I64, I64, I64, I32, I32], None
+    g = torch.Generator().manual_seed(m)
+    xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+    outs = [[torch.empty(m, w.shape[0]) for w in ws] for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            for w, y in zip(ws, outs[i], strict=True):
+                n, k = w.shape
+                m_ptr = None if w.m is None else w.m.data_ptr()
+                f(gemm._KIND_IDS[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
+                  xs[k].data_ptr(), k, y.data_ptr(), n, n, k, m, 2)  # fmt: skip
+            times[i].append((time.perf_counter() - t) * 1e3)
+    same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True))
+    return times, same
+
+
+def time_attention(fns, t_rows: int, context: int, reps: int):
+    fns = [f.paged_attention for f in fns]
+    for f in fns:
+        f.argtypes = [P, I64, P, P, I32, I32, I32, I32, P, P, P, I64, P, I64, ctypes.c_float,
+                      P, I32]  # fmt: skip
+        f.restype = ctypes.c_int
+    g = torch.Generator().manual_seed(t_rows)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    nblk = context // bs + 2
+    caches = [(torch.randn(2 * nblk, bs, kv_heads, dim, generator=g),
+               torch.randn(2 * nblk, bs, kv_heads, dim, generator=g)) for _ in range(30)]  # fmt: skip
+    table = torch.randperm(2 * nblk, generator=g)[:nblk].to(torch.int32)[None].contiguous()
+    q = torch.randn(t_rows, heads, dim, generator=g)
+    qsl, lens = torch.tensor([0, t_rows]), torch.tensor([context])
+    sot = torch.zeros(t_rows, dtype=torch.int64)
+    outs = [torch.empty(t_rows, heads, dim) for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            for k, v in caches:
+                f(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), bs, heads, kv_heads,
+                  dim, qsl.data_ptr(), lens.data_ptr(), sot.data_ptr(), t_rows,
+                  table.data_ptr(), table.shape[1], dim**-0.5, outs[i].data_ptr(), 2)  # fmt: skip
+            times[i].append((time.perf_counter() - t) * 1e3)
+    diff = max((outs[0] - o).abs().max().item() for o in outs[1:])
+    return times, diff
+
+
+def summary(times: list[list[float]]) -> list[dict]:
+    return [{"min_ms": round(min(t), 2), "median_ms": round(statistics.median(t), 2)}
+            for t in times]  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--baseline-rev", default="HEAD~2")
+    p.add_argument("--rows", default="1,2,3,4,5,6,8")
+    p.add_argument("--attention-rows", default="1,5,9")
+    p.add_argument("--context", type=int, default=600)
+    p.add_argument("--reps", type=int, default=12)
+    p.add_argument("--out", default="benchmarks/results/kernels.json")
+    args = p.parse_args()
+    if isa_level() is None:
+        sys.exit("the CPU kernels need AVX2/FMA/F16C")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = sources_at(args.baseline_rev, Path(tmp) / "baseline")
+        here = ROOT / KDIR
+        gemms = [build(base, "gemm", Path(tmp)), build(here, "gemm", Path(tmp))]
+        attns = [build(base, "attention", Path(tmp)), build(here, "attention", Path(tmp))]
+        ws = step_weights()
+        result = {"baseline_rev": args.baseline_rev, "machine": machine_info(),
+                  "matmuls": [], "attention": []}  # fmt: skip
+        print(f"{'':10} {'rows':>4} {'baseline min/med ms':>20} {'this tree':>16} {'ratio':>6}")
+        for m in [int(r) for r in args.rows.split(",")]:
+            times, same = time_matmuls(gemms, ws, m, args.reps)
+            base_s, here_s = summary(times)
+            result["matmuls"].append({"rows": m, "baseline": base_s, "this": here_s,
+                                      "bitwise_same": same})  # fmt: skip
+            print(f"{'matmuls':10} {m:4d} {base_s['min_ms']:9.1f}/{base_s['median_ms']:<9.1f} "
+                  f"{here_s['min_ms']:7.1f}/{here_s['median_ms']:<7.1f} "
+                  f"{base_s['min_ms'] / here_s['min_ms']:6.2f}{'' if same else '  DIFFER'}")  # fmt: skip
+        for t_rows in [int(r) for r in args.attention_rows.split(",")]:
+            times, diff = time_attention(attns, t_rows, args.context, args.reps)
+            base_s, here_s = summary(times)
+            result["attention"].append({"rows": t_rows, "context": args.context,
+                                        "baseline": base_s, "this": here_s,
+                                        "max_abs_diff": diff})  # fmt: skip
+            print(f"{'attention':10} {t_rows:4d} {base_s['min_ms']:9.1f}/{base_s['median_ms']:<9.1f} "
+                  f"{here_s['min_ms']:7.1f}/{here_s['median_ms']:<7.1f} "
+                  f"{base_s['min_ms'] / here_s['min_ms']:6.2f}  max |diff| {diff:.1e}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

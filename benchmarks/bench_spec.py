@@ -87,6 +87,7 @@ def main() -> int:
                     delta = {k: after[k] - before.get(k, 0.0) for k in after}
                     cell["runs"].append({"mode": mode, "rep": rep, "output_tok_s": s["output_tok_s"],
                                          "tpot_median_s": s["tpot_s"]["median"],
+                                         "ttft_median_s": s["ttft_s"]["median"],
                                          "completed": s["completed"], "spec": delta})  # fmt: skip
                     print(f"{workload} c={conc} {mode} rep {rep}: {s['output_tok_s']:.1f} tok/s "
                           f"{delta}", flush=True)  # fmt: skip
@@ -98,7 +99,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     for c in results:
         print(f"{c['workload']:>8} c={c['concurrency']:>2}: off {c['off_tok_s']:.1f}  on "
-              f"{c['on_tok_s']:.1f}  ratio {c['ratio']:.2f}  acceptance {c['acceptance']}"
+              f"{c['on_tok_s']:.1f}  ratio {c['ratio']:.2f}  TPOT off/on {c['tpot_ratio']:.2f}"
+              f"  acceptance {c['acceptance']}"
               f"  tokens/draft step {c['tokens_per_draft_step']}")  # fmt: skip
     return 0
 
@@ -111,7 +113,10 @@ def summarize(cell: dict) -> dict:
     drafts = sum(d.get("num_drafts_total", 0) for d in spec)
     proposed = sum(d.get("num_draft_tokens_total", 0) for d in spec)
     accepted = sum(d.get("num_accepted_tokens_total", 0) for d in spec)
+    tpot = {m: statistics.median(r["tpot_median_s"] for r in runs if r["mode"] == m)
+            for m in ("off", "on")}  # fmt: skip
     cell.update(off_tok_s=med["off"], on_tok_s=med["on"], ratio=med["on"] / med["off"],
+                tpot_ratio=tpot["off"] / tpot["on"] if tpot["on"] else None,
                 acceptance=round(accepted / proposed, 3) if proposed else None,
                 tokens_per_draft_step=round(1 + accepted / drafts, 2) if drafts else None,
                 drafts=drafts)  # fmt: skip

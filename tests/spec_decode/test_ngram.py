@@ -10,7 +10,7 @@ from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.ngram import propose
-from tinyserve.spec_decode.proposer import NgramProposer
+from tinyserve.spec_decode.proposer import NgramProposer, acceptance_threshold
 
 
 def reference(tokens, k, lo, hi):
@@ -108,3 +108,17 @@ def test_low_acceptance_backs_off_then_probes():
     p.record("r", 4, 4)
     assert p.drafts(req, 100, 1)  # recovered
     assert p.stats.accepted_per_pos == [2, 2, 2, 2]
+
+
+def test_the_acceptance_bar_rises_with_the_batch():
+    assert acceptance_threshold(0.2, 1) == pytest.approx(0.2)
+    assert acceptance_threshold(0.2, 4) == pytest.approx(0.5)
+    assert acceptance_threshold(0.2, 8) == pytest.approx(2 / 3)
+    assert acceptance_threshold(0.0, 8) == 0.0 and acceptance_threshold(1.0, 8) == 1.0
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.2))
+    req = _request([1, 2, 3, 4, 5, 6, 1, 2])
+    p.record("r", 4, 2)  # acceptance average 0.75
+    p.record("r", 4, 1)  # 0.5
+    assert p.drafts(req, 100, num_running=1) == [3, 4, 5, 6]  # 0.5 >= 0.2
+    assert p.drafts(req, 100, num_running=3) == [3, 4, 5, 6]  # 0.5 >= 0.43
+    assert p.drafts(req, 100, num_running=8) == []  # 0.5 < 0.67: backs off

@@ -22,7 +22,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Adaptive policy (spec_decode/proposer.py): no drafts in a step with more running
-    # requests than this, and none for a request whose recent acceptance fell below this.
+    # requests than this, and none for a request whose recent acceptance fell below this
+    # (alone; the bar rises with the number of running requests).
     max_batch_size: int = 8
     min_acceptance_rate: float = 0.2
 

@@ -8,8 +8,12 @@ the weights, i.e. at small batches, and only when they are accepted. So:
 
 * no drafts in a step with more than ``max_batch_size`` running requests;
 * a request whose acceptance rate (an exponential average over its drafted steps) falls
-  below ``min_acceptance_rate`` stops drafting, and probes again every ``_PROBE_EVERY``
-  steps (its text may turn repetitive later);
+  below the step's threshold stops drafting, and probes again every ``_PROBE_EVERY``
+  steps (its text may turn repetitive later). The threshold rises with the batch: a draft
+  row costs about ``r`` of a one-row step (``r`` = ``min_acceptance_rate``, ~0.2 on 2 Zen 1
+  cores: benchmarks/README.md, "Few-row kernels"), a step of B rows ~``1 + (B - 1) r``, so
+  an accepted draft — one token at the step's price per token — pays for its row only
+  while acceptance >= ``r B / (1 + (B - 1) r)``: 0.2 alone, 0.5 at 4, 0.67 at 8 running;
 * the draft never reaches past the request's ``max_tokens`` or the context window, and
   never past the step's token budget.
 
@@ -45,6 +49,12 @@ class _RequestState:
     steps_since_draft: int = 0
 
 
+def acceptance_threshold(rate: float, num_running: int) -> float:
+    """The acceptance a request needs to draft in a step with ``num_running`` requests."""
+    b = max(1, num_running)
+    return rate * b / (1 + (b - 1) * rate)
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -57,7 +67,7 @@ class NgramProposer:
         if num_running > cfg.max_batch_size:
             return []
         state = self._state.setdefault(request.request_id, _RequestState())
-        if state.acceptance < cfg.min_acceptance_rate:
+        if state.acceptance < acceptance_threshold(cfg.min_acceptance_rate, num_running):
             state.steps_since_draft += 1
             if state.steps_since_draft < _PROBE_EVERY:
                 return []

@@ -23,8 +23,10 @@ from tinyserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
+# Drafts at every batch size and acceptance (no back-off): as many verification runs as
+# possible, batched and alone, for the identity checks.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2, "max_batch_size": 64}  # fmt: skip
+        "prompt_lookup_min": 2, "max_batch_size": 64, "min_acceptance_rate": 0.0}  # fmt: skip
 
 
 def _grounded(tokenizer, n: int) -> list[list[int]]:

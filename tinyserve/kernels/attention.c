@@ -166,11 +166,12 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
                     const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,
                     const int32_t *block_tables, int64_t max_blocks, float scale, float *out,
                     int nthreads) {
+    if (T <= 0) return 0;
     const attn_t a = {k_cache, v_cache, block_size, H, KVH, D, scale};
     const int G = H / KVH;
     const int64_t pf = (int64_t)G * (D + 2);  // floats of one chunk's partial
     // pos[t]: row t's last key; first[t]: chunks before row t; grp: group starts (ng + 1);
-    // gfirst[i]: chunks of the groups before group i (a group has its last row's chunks).
+    // gfirst[i]: chunks of the groups before group i (a group has its longest row's chunks).
     int64_t *buf = (int64_t *)malloc((4 * T + 3) * sizeof(int64_t));
     if (buf == NULL) return -1;
     int64_t *pos = buf, *first = pos + T, *grp = first + T + 1, *gfirst = grp + T + 1, ng = 0;
@@ -184,7 +185,11 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
     }
     grp[ng] = T;
     gfirst[0] = 0;
-    for (int64_t i = 0; i < ng; i++) gfirst[i + 1] = gfirst[i] + pos[grp[i + 1] - 1] / CHUNK + 1;
+    for (int64_t i = 0; i < ng; i++) {
+        int64_t last = 0;
+        for (int64_t t = grp[i]; t < grp[i + 1]; t++) last = pos[t] > last ? pos[t] : last;
+        gfirst[i + 1] = gfirst[i] + last / CHUNK + 1;
+    }
     int failed = 0;
     if (ng * KVH >= 8 * (int64_t)nthreads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)

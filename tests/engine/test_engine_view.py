@@ -189,3 +189,18 @@ def test_slow_watcher_drops_snapshots_not_steps():
     slow.close()
     sparse.close()
     assert feed.num_watchers == 0 and posted[-1] == ("watch", None)
+
+
+def test_an_idle_snapshot_is_never_held_back_by_the_interval():
+    from tinyserve.engine.view_feed import ViewFeed
+
+    feed = ViewFeed(None, lambda cmd: None, lambda *a: None)
+    sparse = feed.subscribe(interval_s=100.0)
+    busy = {"running": 1, "waiting": 0}
+    feed._publish({**busy, "step": 1, "steps": [{"step": 1}]}, None)  # the first: sent
+    feed._publish({**busy, "step": 2, "steps": [{"step": 2}]}, None)  # inside the interval
+    assert sparse.queue.qsize() == 1
+    feed._publish({"running": 0, "waiting": 0, "step": 3, "steps": [{"step": 3}]}, None)
+    assert [s["step"] for s in (sparse.queue.get_nowait(), sparse.queue.get_nowait())] == [1, 3]
+    assert sparse._pending == []
+    sparse.close()

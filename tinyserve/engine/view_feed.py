@@ -54,7 +54,12 @@ class Watcher:
     def offer(self, snap: dict, now: float, force: bool) -> None:
         """Queue ``snap`` (with any steps held back) unless the interval holds it back."""
         steps = self._pending + snap["steps"] if self._pending else snap["steps"]
-        if not force and now - self._last_sent < self.interval_s:
+        # An idle engine's state after work is never held back: no later step would bring it (the engine
+        # thread's build clock and this thread's send clock can disagree by a little, so the
+        # snapshot after the last step may land inside the interval, and on_idle sees nothing
+        # new to build).
+        idle = bool(steps) and snap.get("running") == 0 and snap.get("waiting") == 0
+        if not force and not idle and now - self._last_sent < self.interval_s:
             self._pending = steps[-MAX_STEPS:]
             return
         self._pending = []

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from tinyserve.kernels import gemm  # noqa: E402
-from tinyserve.kernels.build import ISA_LEVELS, _compile, isa_level  # noqa: E402
+from tinyserve.kernels.build import compile_source, isa_level  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KDIR = "tinyserve/kernels"
@@ -43,7 +43,7 @@ P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def build(src_dir: Path, name: str, out_dir: Path) -> ctypes.CDLL:
     so = out_dir / f"{src_dir.name}-{name}.so"
-    _compile(src_dir / f"{name}.c", so, ISA_LEVELS[isa_level()][1])
+    compile_source(src_dir / f"{name}.c", so)
     return ctypes.CDLL(str(so))
 
 

@@ -191,16 +191,30 @@ def test_slow_watcher_drops_snapshots_not_steps():
     assert feed.num_watchers == 0 and posted[-1] == ("watch", None)
 
 
-def test_an_idle_snapshot_is_never_held_back_by_the_interval():
+def test_the_idle_state_reaches_a_watcher_that_held_the_last_step_back():
+    """The snapshot after a busy period's last step can fall inside a watcher's interval (its
+    clock runs on the loop thread); the idle snapshot must still come, with that step."""
     from tinyserve.engine.view_feed import ViewFeed
 
-    feed = ViewFeed(None, lambda cmd: None, lambda *a: None)
-    sparse = feed.subscribe(interval_s=100.0)
-    busy = {"running": 1, "waiting": 0}
-    feed._publish({**busy, "step": 1, "steps": [{"step": 1}]}, None)  # the first: sent
-    feed._publish({**busy, "step": 2, "steps": [{"step": 2}]}, None)  # inside the interval
-    assert sparse.queue.qsize() == 1
-    feed._publish({"running": 0, "waiting": 0, "step": 3, "steps": [{"step": 3}]}, None)
-    assert [s["step"] for s in (sparse.queue.get_nowait(), sparse.queue.get_nowait())] == [1, 3]
-    assert sparse._pending == []
+    class Engine:  # the records since the last snapshot, as EngineView hands them over
+        step, running, records = 0, 1, []
+
+        def snapshot(self, take_steps):
+            steps, self.records = (self.records, []) if take_steps else ([], self.records)
+            return {"step": self.step, "running": self.running, "waiting": 0, "steps": steps}
+
+    engine = Engine()
+    feed = ViewFeed(engine, lambda cmd: None, lambda fn, *a: fn(*a))
+    fast, sparse = feed.subscribe(interval_s=0.0), feed.subscribe(interval_s=100.0)
+    for step, running in ((1, 1), (2, 0)):  # step 2 finishes the last request
+        engine.step, engine.running = step, running
+        engine.records.append({"step": step})
+        feed.after_step()  # the engine's interval is the fast watcher's: builds every step
+    feed.on_idle()
+    feed.on_idle()  # once per busy period
+    got = [sparse.queue.get_nowait() for _ in range(sparse.queue.qsize())]
+    assert [s["step"] for s in got] == [1, 2] and got[-1]["running"] == 0
+    assert [r["step"] for s in got for r in s["steps"]] == [1, 2]
+    assert fast.queue.qsize() == 3 and feed.num_snapshots == 3
+    fast.close()
     sparse.close()

@@ -203,7 +203,7 @@ needs_attention_kernel = pytest.mark.skipif(
 @needs_attention_kernel
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,block_size",
-    [(9, 3, 64, 16), (4, 2, 16, 4), (4, 4, 32, 1), (8, 1, 128, 8)],
+    [(9, 3, 64, 16), (4, 2, 16, 4), (4, 4, 32, 1), (8, 1, 128, 8), (20, 1, 16, 4)],
 )
 def test_block_table_attention_matches_the_reference(heads, kv_heads, dim, block_size):
     from tinyserve.layers.attention import AttentionMetadata, paged_attention

@@ -54,12 +54,7 @@ class Watcher:
     def offer(self, snap: dict, now: float, force: bool) -> None:
         """Queue ``snap`` (with any steps held back) unless the interval holds it back."""
         steps = self._pending + snap["steps"] if self._pending else snap["steps"]
-        # An idle engine's state after work is never held back: no later step would bring it (the engine
-        # thread's build clock and this thread's send clock can disagree by a little, so the
-        # snapshot after the last step may land inside the interval, and on_idle sees nothing
-        # new to build).
-        idle = bool(steps) and snap.get("running") == 0 and snap.get("waiting") == 0
-        if not force and not idle and now - self._last_sent < self.interval_s:
+        if not force and now - self._last_sent < self.interval_s:
             self._pending = steps[-MAX_STEPS:]
             return
         self._pending = []
@@ -97,7 +92,10 @@ class ViewFeed:
         self.interval_s = 0.25  # the smallest watcher interval (loop writes, engine reads)
         self.num_snapshots = 0  # built by the engine thread (tests count them)
         self._last_build = float("-inf")  # engine thread
-        self._dirty = False  # engine thread: a step ran since the last snapshot
+        # Engine thread: a step ran since the last idle snapshot. Not reset by the snapshots
+        # built between steps: a watcher may hold one of those back (its interval runs on the
+        # loop thread's clock), and the idle one must still come.
+        self._busy = False
         self._ended = False
         self._futures: set[asyncio.Future] = set()  # on-demand snapshots not answered yet
 
@@ -169,13 +167,14 @@ class ViewFeed:
 
     def after_step(self) -> None:
         """Called after every step while ``num_watchers`` > 0."""
-        self._dirty = True
+        self._busy = True
         if time.monotonic() - self._last_build >= self.interval_s:
             self._build(None)
 
     def on_idle(self) -> None:
         """The engine has nothing left: the final (empty) state, once per busy period."""
-        if self._dirty and self.num_watchers:
+        if self._busy and self.num_watchers:
+            self._busy = False
             self._build(_ALL)
 
     def _build(self, target: object) -> None:
@@ -186,7 +185,6 @@ class ViewFeed:
             return
         self.num_snapshots += 1
         self._last_build = time.monotonic()
-        self._dirty = False
         self._call_in_loop(self._publish, snap, target)
 
 

@@ -62,7 +62,10 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
     }
     for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = kp[n - 1];  // padding lanes: masked below
     const __m256 scale = _mm256_set1_ps(a->scale);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    // The last key group's real lanes (the padding lanes count for nothing).
+    const int last = (n - 1) / 8 * 8;
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     for (int h = 0; h < G; h++) {
         const float *qh = q + (g * G + h) * D;
         float *ph = p + h * CHUNK, *out = part + h * (D + 2);
@@ -76,10 +79,7 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
                     acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[i0 + i] + d), acc[i]);
             }
             __m256 s = _mm256_mul_ps(hsum8x8(acc), scale);
-            if (i0 + 8 > n) {
-                __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i0), lane);
-                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(keep));
-            }
+            if (i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
             _mm256_storeu_ps(ph + i0, s);
             mx = _mm256_max_ps(mx, s);
         }
@@ -91,10 +91,7 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
         __m256 sum = _mm256_setzero_ps();
         for (int i0 = 0; i0 < n; i0 += 8) {
             __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
-            if (i0 + 8 > n) {  // the padding lanes count for nothing
-                __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i0), lane);
-                e = _mm256_and_ps(e, _mm256_castsi256_ps(keep));
-            }
+            if (i0 == last) e = _mm256_and_ps(e, keep);
             _mm256_storeu_ps(ph + i0, e);
             sum = _mm256_add_ps(sum, e);
         }

@@ -32,12 +32,7 @@ def library() -> ctypes.CDLL | None:
 def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel can serve these head shapes (float32 CPU caches assumed: the
     loader only asks when the model runs in fp32 on the CPU)."""
-    return (
-        library() is not None
-        and head_dim % 8 == 0
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= 16
-    )
+    return library() is not None and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
 
 
 def paged_attention(

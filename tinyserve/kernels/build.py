@@ -43,6 +43,13 @@ def kernels_enabled() -> bool:
     return env != "0"
 
 
+def compile_source(source: Path, so_path: Path) -> None:
+    """Compile a kernel source (``#include "simd.h"`` from its own folder) into ``so_path``
+    with this CPU's ISA flags, as :func:`load` does (benchmarks/bench_kernels.py builds
+    another revision's kernels with it)."""
+    _compile(source, so_path, ISA_LEVELS[isa_level()][1])
+
+
 def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

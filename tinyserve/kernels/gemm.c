@@ -78,7 +78,10 @@ INLINE void tile_f32(const weight_t *w, int64_t n0, const int NT, const float *x
 }
 
 // Q4_1, one row: the same floats and FMAs as tile() (so the same results), with each
-// block's 16 code bytes loaded once and its scale/minimum broadcast once.
+// block's 16 code bytes loaded once and its scale/minimum broadcast once. It spells out
+// block32's dequantisation interleaved with the FMAs on purpose: calling block32 keeps four
+// dequantised vectors live per output next to the 6 accumulators and 4 activations, and
+// the decode step's matmuls got 4-7% slower (bench_kernels --baseline-rev, 1 row, 3 runs).
 INLINE void tile_q4_1_m1(const weight_t *w, int64_t n0, const int NT, const float *x, float *y) {
     __m256 acc[8];
     for (int i = 0; i < NT; i++) acc[i] = _mm256_setzero_ps();

@@ -11,7 +11,10 @@ attention  30 layers of paged attention, 9 query / 3 KV heads of 64, block size 
            sequence whose last row sees --context keys, the given query rows
 
 Both versions of gemm.c / attention.c (and simd.h) are compiled here with the kernels'
-flags and timed alternately, min and median of --reps; outputs are compared bitwise.
+flags and timed alternately, min and median of --reps; outputs are compared bitwise (and, where
+the revisions sum in different orders, by their largest difference relative to the output).
+Each revision gets the weight layout its gemm.c reads (``gemm_layout()``: the grouped
+layout; revisions without it read the checkpoint's rows of blocks).
 
 python benchmarks/bench_kernels.py [--baseline-rev HEAD~2] [--rows 1,2,3,4,5,6,8]
     [--attention-rows 1,5,9] [--context 600] [--out benchmarks/results/kernels.json]
@@ -72,10 +75,19 @@ def step_weights() -> list[gemm.PackedWeight]:
     return ws
 
 
-def time_matmuls(fns, ws, m: int, reps: int) -> tuple[list[list[float]], bool]:
-    fns = [f.gemm for f in fns]
+def layout_of(lib: ctypes.CDLL) -> int:
+    """0: the checkpoint's rows of blocks (gemm.c before the grouped layout), 1: gemm.c's
+    groups of 8 outputs (PackedWeight.kernel)."""
+    return lib.gemm_layout() if hasattr(lib, "gemm_layout") else 0
+
+
+def time_matmuls(libs, ws, m: int, reps: int) -> tuple[list[list[float]], bool, float]:
+    """Times per library, whether the outputs are bitwise the same, and the largest
+    difference relative to the output's largest magnitude."""
+    fns = [f.gemm for f in libs]
     for f in fns:
         f.argtypes, f.restype = [I32, P, P, P, P, I64, P, I64, I64, I64, I32, I32], None
+    views = [[w.kernel if layout_of(lib) else w for w in ws] for lib in libs]
     g = torch.Generator().manual_seed(m)
     xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
     outs = [[torch.empty(m, w.shape[0]) for w in ws] for _ in fns]
@@ -83,14 +95,16 @@ def time_matmuls(fns, ws, m: int, reps: int) -> tuple[list[list[float]], bool]:
     for _ in range(reps):
         for i, f in enumerate(fns):
             t = time.perf_counter()
-            for w, y in zip(ws, outs[i], strict=True):
+            for w, y in zip(views[i], outs[i], strict=True):
                 n, k = w.shape
                 m_ptr = None if w.m is None else w.m.data_ptr()
                 f(gemm._KIND_IDS[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
                   xs[k].data_ptr(), k, y.data_ptr(), n, n, k, m, 2)  # fmt: skip
             times[i].append((time.perf_counter() - t) * 1e3)
-    same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True))
-    return times, same
+    pairs = [(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True)]
+    same = all(torch.equal(a, b) for a, b in pairs)
+    rel = max(((a - b).abs().max() / a.abs().max()).item() for a, b in pairs)
+    return times, same, rel
 
 
 def time_attention(fns, t_rows: int, context: int, reps: int):
@@ -148,13 +162,14 @@ def main() -> int:
                   "matmuls": [], "attention": []}  # fmt: skip
         print(f"{'':10} {'rows':>4} {'baseline min/med ms':>20} {'this tree':>16} {'ratio':>6}")
         for m in [int(r) for r in args.rows.split(",")]:
-            times, same = time_matmuls(gemms, ws, m, args.reps)
+            times, same, rel = time_matmuls(gemms, ws, m, args.reps)
             base_s, here_s = summary(times)
             result["matmuls"].append({"rows": m, "baseline": base_s, "this": here_s,
-                                      "bitwise_same": same})  # fmt: skip
+                                      "bitwise_same": same, "max_rel_diff": rel})  # fmt: skip
             print(f"{'matmuls':10} {m:4d} {base_s['min_ms']:9.1f}/{base_s['median_ms']:<9.1f} "
                   f"{here_s['min_ms']:7.1f}/{here_s['median_ms']:<7.1f} "
-                  f"{base_s['min_ms'] / here_s['min_ms']:6.2f}{'' if same else '  DIFFER'}")  # fmt: skip
+                  f"{base_s['min_ms'] / here_s['min_ms']:6.2f}"
+                  f"{'' if same else f'  differ by {rel:.1e} of max'}")  # fmt: skip
         for t_rows in [int(r) for r in args.attention_rows.split(",")]:
             times, diff = time_attention(attns, t_rows, args.context, args.reps)
             base_s, here_s = summary(times)

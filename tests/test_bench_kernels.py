@@ -1,5 +1,5 @@
 """benchmarks/bench_kernels.py runs end to end (a subprocess, never imported): it compiles
-the kernels of a git revision next to this tree's and checks that the matmuls agree bitwise."""
+the kernels of a git revision next to this tree's and times them side by side."""
 
 from __future__ import annotations
 

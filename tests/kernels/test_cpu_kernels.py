@@ -78,6 +78,37 @@ def test_take_rows_and_cat_rows_keep_rows_with_their_blocks():
     assert torch.allclose(gemm.matmul(x, fused), x @ want.T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "int8"])
+@pytest.mark.parametrize("n", [8, 203])
+def test_kernel_layout_round_trips_and_groups_outputs_by_eight(kind, n):
+    """gemm.c's layout holds exactly the checkpoint's codes, scales and minima: output 8g + c
+    is lane c of group g, and the padding of the last group is zero."""
+    k = 96
+    w = packed_weight(kind, n, k, seed=n)
+    kw = w.kernel
+    assert kw.qs.shape[0] == (n + 7) // 8 and kw.qs.shape[-1] == 8
+    back = kw.logical()
+    for name in ("qs", "d", "m"):
+        a, b = getattr(w, name), getattr(back, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert torch.equal(back.dequantize(), w.dequantize())
+    if n % 8:
+        assert not kw.qs[-1, ..., n % 8 :].any()
+    c = n // 2  # one output's codes where the layout says they are
+    if kind == "q4_1":
+        assert torch.equal(kw.qs[c // 8, :, :, c % 8], w.qs[c])
+    elif kind == "f32":
+        assert torch.equal(kw.qs[c // 8, :, c % 8], w.qs[c])
+    else:
+        assert torch.equal(kw.qs[c // 8, :, :, c % 8].reshape(k), w.qs[c])
+
+
+def test_packed_method_keeps_the_checkpoint_layout_only_for_int8_decode():
+    w = packed_weight("q4_1", 16, 64, seed=3)
+    assert PackedMethod(w).packed is None  # the blocks are held once, in gemm.c's layout
+    assert PackedMethod(w, int8_decode=True).packed is w
+
+
 def packed_weight(kind: str, n: int, k: int, seed: int) -> gemm.PackedWeight:
     if kind == "q4_1":
         return gemm.from_gguf(random_blocks(Q4_1, n, k, seed), int(Q4_1), (n, k))

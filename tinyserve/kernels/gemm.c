@@ -1,301 +1,357 @@
-// y[r, n] = sum_k W[n, k] * x[r, k] for any number of rows r, from weights stored as
-//   kind 0  Q4_1 blocks (GGUF): qs[N, K/32, 16] low nibbles = weights 0..15 of the block,
-//           high = 16..31; d, m float32 [N, K/32]: w = d * q + m
-//   kind 1  Q8_0 blocks (GGUF) or int8 per channel: qs int8 [N, K], d float32 [N, K/32]:
-//           w = d * q
-//   kind 2  float32 [N, K] (the dense weight, for the batch-invariant path)
-// AVX2 + FMA, K % 32 == 0.
+// y[r, n] = sum_k W[n, k] * x[r, k] for any number of rows r. AVX2 + FMA, K % 32 == 0.
 //
-// Batch invariance is the contract: every output y[r, n] is computed by the same sequence
-// of float operations whatever M is, however rows and outputs are tiled, and however many
-// threads run. Each weight block is dequantised to 4 x 8 floats (the same ops every time),
-// one 8-lane accumulator per (n, r) takes acc = fma(w, x, acc) over the blocks in order,
-// and the 8 lanes are summed last in a fixed tree. Tiling only decides which (n, r) pairs
-// share a dequantised block; it never changes what is added to what.
+// Weights in the kernel layout (gemm.py PackedWeight.kernel): the N outputs in groups of 8
+// (G = ceil(N / 8) groups, the last padded with zero weights), one vector lane per output
+// of a group, so every FMA serves 8 outputs and nothing is summed across lanes:
+//   kind 0  Q4_1 (GGUF): qs [G, K/32, 16, 8] bytes, byte (g, b, p, c) = code byte p of block
+//           b of output 8g+c (low nibble: the block's weight p, high: weight p + 16);
+//           d, m float32 [G, K/32, 8]: w = d * q + m
+//   kind 1  Q8_0 (GGUF) or int8 per channel: qs int8 [G, K/32, 32, 8]; d [G, K/32, 8]: w = d * q
+//   kind 2  float32: qs [G, K, 8] (a dense weight, for the batch-invariant path)
+//
+// Batch invariance is the contract: every y[r, n] is this sequence of float operations,
+// whatever M, the tiling and the thread count:
+//   kind 0  T = 0; per block b in order: S = 0; for p = 0..15: S = fma(q_p, x_p, S),
+//           S = fma(q_{p+16}, x_{p+16}, S); then T = fma(d_b, S, T), T = fma(m_b, sx_b, T)
+//           (sx_b: the block's sum of x, block_sum's fixed order); y = T
+//   kind 1  T = 0; per block: S = 0; for j = 0..31: S = fma(q_j, x_j, S); T = fma(d_b, S, T)
+//   kind 2  T = 0; for k = 0..K-1: T = fma(w_k, x_k, T)
+// with the codes q converted to float exactly. The scale is applied once per block of 32
+// products instead of once per weight (the old layout dequantised every weight: one FMA
+// more per weight, and lanes along K summed at the end). Tiling only decides which
+// (output group, row) pairs share a converted vector of codes; T goes through y between
+// blocks, which does not change its value.
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
+#include <string.h>
 
 typedef struct {
     int kind;
     const void *qs;
     const float *d, *m;
-    int64_t K, N;
+    int64_t K, N, nb;
 } weight_t;
 
-#define PF_TILES 2  // decode tiles prefetch the tile this many tiles ahead
+// The layout this file reads (bench_kernels.py asks, to time older revisions beside it).
+int gemm_layout(void) { return 1; }
 
-// The 8 weights j*8 .. j*8+7 of block b of output row n, as floats.
-INLINE __m256 weights8(const weight_t *w, int64_t n, int64_t b, int j) {
-    const int64_t nb = w->K / 32;
-    if (w->kind == 0) {
-        const uint8_t *q = (const uint8_t *)w->qs + (n * nb + b) * 16 + (j & 1) * 8;
-        __m128i raw = _mm_loadl_epi64((const __m128i *)q);
-        if (j >= 2) raw = _mm_srli_epi16(raw, 4);
-        raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-        __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
-        return _mm256_fmadd_ps(_mm256_set1_ps(w->d[n * nb + b]), qf,
-                               _mm256_set1_ps(w->m[n * nb + b]));
-    }
-    if (w->kind == 1) {
-        const int8_t *q = (const int8_t *)w->qs + n * w->K + b * 32 + j * 8;
-        __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
-        return _mm256_mul_ps(_mm256_set1_ps(w->d[n * nb + b]), qf);
-    }
-    return _mm256_loadu_ps((const float *)w->qs + n * w->K + b * 32 + j * 8);
+INLINE float block_sum(const float *x) {
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+    return hsum8(s);
 }
 
-// One tile: NT output rows x MT activation rows, accumulators in registers.
-INLINE void tile(const weight_t *w, int64_t n0, const int NT, const float *x, int64_t ldx,
-                 const int MT, float *y, int64_t ldy) {
-    __m256 acc[8][6];
-    for (int i = 0; i < NT; i++)
-        for (int r = 0; r < MT; r++) acc[i][r] = _mm256_setzero_ps();
-    const int64_t nb = w->K / 32;
-    const int64_t ahead = n0 + PF_TILES * NT;
-    const int prefetch = w->kind != 2 && MT <= 2 && ahead + NT <= w->N;  // decode tiles
-    for (int64_t b = 0; b < nb; b++) {
-        if (prefetch)
-            prefetch_tile(w->qs, w->d, w->kind == 0 ? w->m : NULL, ahead, NT, nb,
-                          w->kind == 0 ? 16 : 32, b);
-        for (int j = 0; j < 4; j++) {
-            __m256 wv[8];
-            for (int i = 0; i < NT; i++) wv[i] = weights8(w, n0 + i, b, j);
-            for (int r = 0; r < MT; r++) {
-                __m256 xv = _mm256_loadu_ps(x + r * ldx + b * 32 + j * 8);
-                for (int i = 0; i < NT; i++) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
-            }
+// Step p (0..15) of block b of group g, Q4_1: the codes of weights p (lo) and p + 16 (hi).
+INLINE void q4_codes(const weight_t *w, int64_t g, int64_t b, int p, __m256 *lo, __m256 *hi) {
+    const uint8_t *q = (const uint8_t *)w->qs + ((g * w->nb + b) * 16 + p) * 8;
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+
+// Weight j (0..31) of block b of group g, Q8_0.
+INLINE __m256 q8_codes(const weight_t *w, int64_t g, int64_t b, int j) {
+    const int8_t *q = (const int8_t *)w->qs + ((g * w->nb + b) * 32 + j) * 8;
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+// End of block b for the (row r, group i) partial sum S: T (kept in y) takes the scale and,
+// for Q4_1, the minimum times the block's sum of x.
+INLINE void block_end(const weight_t *w, int64_t g, int64_t b, __m256 S, float sx, float *yt) {
+    const int64_t o = (g * w->nb + b) * 8;
+    __m256 t = b ? _mm256_loadu_ps(yt) : _mm256_setzero_ps();
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(w->d + o), S, t);
+    if (w->kind == 0) t = _mm256_fmadd_ps(_mm256_loadu_ps(w->m + o), _mm256_set1_ps(sx), t);
+    _mm256_storeu_ps(yt, t);
+}
+
+// Prefetch block b of the NT groups starting at ga (their codes, scales, minima): called for
+// b = 0 .. nb-1 while an earlier tile computes, the memory-level parallelism the hardware
+// prefetcher does not reach at one decode row.
+INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b) {
+    const int64_t cb = w->kind == 0 ? 128 : 256;
+    for (int i = 0; i < NT; i++) {
+        const char *q = (const char *)w->qs + ((ga + i) * w->nb + b) * cb;
+        for (int64_t off = 0; off < cb; off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
+        if ((b & 1) == 0) {
+            _mm_prefetch((const char *)(w->d + ((ga + i) * w->nb + b) * 8), _MM_HINT_T0);
+            if (w->kind == 0) _mm_prefetch((const char *)(w->m + ((ga + i) * w->nb + b) * 8), _MM_HINT_T0);
         }
     }
-    for (int i = 0; i < NT; i++)
-        for (int r = 0; r < MT; r++) y[r * ldy + n0 + i] = hsum8(acc[i][r]);
 }
 
-// The same tile over float32 rows (the dequantised buffer, or a dense weight).
-INLINE void tile_f32(const weight_t *w, int64_t n0, const int NT, const float *x, int64_t ldx,
+#define PF_TILES 2  // the few-row tiles prefetch the tile this many tiles ahead
+
+// Few rows (decode, a verification run): MT rows x NT groups straight from the codes, each
+// converted vector used by all MT rows. x rows at ldx, sx [MT, nb], y: the tile's first
+// output (group g0), rows at ldy. TREG: the sums T stay in registers (else they go through
+// y between blocks: where MT x NT x 2 vectors would not fit in the 16 registers).
+INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch,
+                       const float *x, int64_t ldx, const float *sx, const int MT, float *y,
+                       int64_t ldy, const int TREG) {
+    const int64_t nb = w->nb;
+    __m256 T[8][4];
+    if (TREG)
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NT; i++) T[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
+        __m256 S[8][4];
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NT; i++) S[r][i] = _mm256_setzero_ps();
+        if (w->kind == 0) {
+            for (int p = 0; p < 16; p++)
+                for (int i = 0; i < NT; i++) {
+                    __m256 lo, hi;
+                    q4_codes(w, g0 + i, b, p, &lo, &hi);
+                    for (int r = 0; r < MT; r++) {
+                        const float *xr = x + r * ldx + b * 32 + p;
+                        S[r][i] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xr), S[r][i]);
+                        S[r][i] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xr + 16), S[r][i]);
+                    }
+                }
+        } else {
+            for (int j = 0; j < 32; j++)
+                for (int i = 0; i < NT; i++) {
+                    __m256 q = q8_codes(w, g0 + i, b, j);
+                    for (int r = 0; r < MT; r++)
+                        S[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + r * ldx + b * 32 + j), S[r][i]);
+                }
+        }
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NT; i++) {
+                const float s = w->kind == 0 ? sx[r * nb + b] : 0.0f;
+                if (TREG) {
+                    const int64_t o = ((g0 + i) * nb + b) * 8;
+                    T[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(w->d + o), S[r][i], T[r][i]);
+                    if (w->kind == 0)
+                        T[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(w->m + o), _mm256_set1_ps(s), T[r][i]);
+                } else {
+                    block_end(w, g0 + i, b, S[r][i], s, y + r * ldy + i * 8);
+                }
+            }
+    }
+    if (TREG)
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NT; i++) _mm256_storeu_ps(y + r * ldy + i * 8, T[r][i]);
+}
+
+// Many rows: the codes of NB groups converted once per panel into buf [NB, K, 8] floats, in
+// the contract's order within each block (Q4_1: p, p + 16, p + 1, ...), then this tile of MT
+// rows x NB groups runs over them.
+INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const int NB,
+                          const float *x, int64_t ldx, const float *sx, const int MT, float *y,
+                          int64_t ldy) {
+    const int64_t nb = w->nb, K = w->K;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 S[6][2];
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NB; i++) S[r][i] = _mm256_setzero_ps();
+        for (int j = 0; j < 32; j++) {
+            const int kk = w->kind == 0 ? (j & 1) * 16 + (j >> 1) : j;  // x index in the block
+            __m256 wv[2];
+            for (int i = 0; i < NB; i++) wv[i] = _mm256_load_ps(buf + (i * K + b * 32 + j) * 8);
+            for (int r = 0; r < MT; r++) {
+                __m256 xv = _mm256_broadcast_ss(x + r * ldx + b * 32 + kk);
+                for (int i = 0; i < NB; i++) S[r][i] = _mm256_fmadd_ps(wv[i], xv, S[r][i]);
+            }
+        }
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NB; i++)
+                block_end(w, g0 + i, b, S[r][i], w->kind == 0 ? sx[r * nb + b] : 0.0f,
+                          y + r * ldy + i * 8);
+    }
+}
+
+// float32 weights: MT rows x NT groups, T in registers over all of K.
+INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x, int64_t ldx,
                      const int MT, float *y, int64_t ldy) {
-    weight_t c = *w;
-    c.kind = 2;
-    tile(&c, n0, NT, x, ldx, MT, y, ldy);
-}
-
-// Q4_1, one row: the same floats and FMAs as tile() (so the same results), with each
-// block's 16 code bytes loaded once and its scale/minimum broadcast once. It spells out
-// block32's dequantisation interleaved with the FMAs on purpose: calling block32 keeps four
-// dequantised vectors live per output next to the 6 accumulators and 4 activations, and
-// the decode step's matmuls got 4-7% slower (bench_kernels --baseline-rev, 1 row, 3 runs).
-INLINE void tile_q4_1_m1(const weight_t *w, int64_t n0, const int NT, const float *x, float *y) {
-    __m256 acc[8];
-    for (int i = 0; i < NT; i++) acc[i] = _mm256_setzero_ps();
-    const int64_t nb = w->K / 32;
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const int64_t ahead = n0 + PF_TILES * NT;
-    const int prefetch = ahead + NT <= w->N;
-    for (int64_t b = 0; b < nb; b++) {
-        if (prefetch) prefetch_tile(w->qs, w->d, w->m, ahead, NT, nb, 16, b);
-        const __m256 x0 = _mm256_loadu_ps(x + b * 32), x1 = _mm256_loadu_ps(x + b * 32 + 8);
-        const __m256 x2 = _mm256_loadu_ps(x + b * 32 + 16), x3 = _mm256_loadu_ps(x + b * 32 + 24);
-        for (int i = 0; i < NT; i++) {
-            const int64_t blk = (n0 + i) * nb + b;
-            __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->qs + blk * 16));
-            __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-            __m256 d = _mm256_set1_ps(w->d[blk]), m = _mm256_set1_ps(w->m[blk]);
-            __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
-            acc[i] = _mm256_fmadd_ps(w0, x0, acc[i]);
-            __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
-            acc[i] = _mm256_fmadd_ps(w1, x1, acc[i]);
-            __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
-            acc[i] = _mm256_fmadd_ps(w2, x2, acc[i]);
-            __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
-            acc[i] = _mm256_fmadd_ps(w3, x3, acc[i]);
+    const float *wq = (const float *)w->qs;
+    __m256 T[6][8];
+    for (int r = 0; r < MT; r++)
+        for (int i = 0; i < NT; i++) T[r][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < w->K; k++) {
+        __m256 wv[8];
+        for (int i = 0; i < NT; i++) wv[i] = _mm256_loadu_ps(wq + ((g0 + i) * w->K + k) * 8);
+        for (int r = 0; r < MT; r++) {
+            __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            for (int i = 0; i < NT; i++) T[r][i] = _mm256_fmadd_ps(wv[i], xv, T[r][i]);
         }
     }
-    for (int i = 0; i < NT; i++) y[n0 + i] = hsum8(acc[i]);
+    for (int r = 0; r < MT; r++)
+        for (int i = 0; i < NT; i++) _mm256_storeu_ps(y + r * ldy + i * 8, T[r][i]);
 }
 
-// All 32 weights of block b of output row n as 4 x 8 floats: exactly weights8(w, n, b, j)
-// for j = 0..3, with the block's code bytes loaded and its scale/minimum broadcast once.
-INLINE void block32(const weight_t *w, int64_t n, int64_t b, __m256 out[4]) {
-    const int64_t blk = n * (w->K / 32) + b;
-    if (w->kind == 0) {
-        const __m128i low = _mm_set1_epi8(0x0F);
-        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->qs + blk * 16));
-        __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-        __m256 d = _mm256_set1_ps(w->d[blk]), m = _mm256_set1_ps(w->m[blk]);
-        out[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
-        out[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
-        out[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
-        out[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
-        return;
-    }
-    for (int j = 0; j < 4; j++) out[j] = weights8(w, n, b, j);
-}
+#define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
+#define PANEL 48    // many rows: row panels whose x stays in L2
 
-// A few rows (2..8: a verification run, a small batch): each block of an output row is
-// dequantised once into registers and used by all MT rows (the many-row path writes it to a
-// buffer and reads it back; at few rows that traffic costs more than the FMAs).
-INLINE void tile_rows(const weight_t *w, int64_t n0, const int NT, const float *x, int64_t ldx,
-                      const int MT, float *y, int64_t ldy) {
-    __m256 acc[2][8];
-    for (int i = 0; i < NT; i++)
-        for (int r = 0; r < MT; r++) acc[i][r] = _mm256_setzero_ps();
-    const int64_t nb = w->K / 32;
-    const int64_t ahead = n0 + PF_TILES * NT;
-    const int prefetch = w->kind != 2 && ahead + NT <= w->N;
-    for (int64_t b = 0; b < nb; b++) {
-        if (prefetch)
-            prefetch_tile(w->qs, w->d, w->kind == 0 ? w->m : NULL, ahead, NT, nb,
-                          w->kind == 0 ? 16 : 32, b);
-        for (int i = 0; i < NT; i++) {
-            __m256 wv[4];
-            block32(w, n0 + i, b, wv);
-            for (int r = 0; r < MT; r++) {
-                const float *xr = x + r * ldx + b * 32;
-                for (int j = 0; j < 4; j++)
-                    acc[i][r] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xr + j * 8), acc[i][r]);
-            }
+// Rows [0, M) x groups [g0, g1) into y (full groups only: every lane is stored).
+static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
+                     int64_t ldy, int64_t g0, int64_t g1) {
+    for (int r0 = 0; r0 < M; r0 += 6) {
+        const int mt = M - r0 < 6 ? M - r0 : 6;
+        const float *xr = x + (int64_t)r0 * ldx;
+        float *yr = y + (int64_t)r0 * ldy;
+        int64_t g = g0;
+#define F32_CASE(MT, NT)                                                                    \
+    case MT:                                                                                \
+        for (; g + NT <= g1; g += NT) tile_f32(w, g, NT, xr, ldx, MT, yr + g * 8, ldy);       \
+        for (; g + 2 <= g1; g += 2) tile_f32(w, g, 2, xr, ldx, MT, yr + g * 8, ldy);          \
+        for (; g < g1; g++) tile_f32(w, g, 1, xr, ldx, MT, yr + g * 8, ldy);                  \
+        break;
+        // NT x MT >= 6 accumulators: enough independent FMA chains in flight
+        switch (mt) {
+            F32_CASE(1, 8) F32_CASE(2, 4) F32_CASE(3, 2) F32_CASE(4, 2) F32_CASE(5, 2) F32_CASE(6, 2)
+            default: break;
         }
-    }
-    for (int i = 0; i < NT; i++)
-        for (int r = 0; r < MT; r++) y[r * ldy + n0 + i] = hsum8(acc[i][r]);
-}
-
-#define MAX_ROWS 8
-
-// M = 2..MAX_ROWS rows of a quantised weight: tile_rows with M (and NT outputs per tile: 2
-// up to 4 rows, then 1, so the NT x MT accumulators stay in registers) compile-time constants.
-// Against the buffered path at SmolLM2's shapes (Zen 1, 2 threads, min of 12): M=2 26 -> 21
-// ms, M=5 40 -> 33 ms, M=8 59 -> 47 ms for the 121 matmuls of a step.
-INLINE void tiles_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
-                       int64_t ldy, int64_t n0, int64_t n1) {
-#define ROWS_CASE(MT, NT)                                                           \
-    case MT: {                                                                      \
-        int64_t n = n0;                                                             \
-        for (; n + NT <= n1; n += NT) tile_rows(w, n, NT, x, ldx, MT, y, ldy);      \
-        for (; n < n1; n++) tile_rows(w, n, 1, x, ldx, MT, y, ldy);                 \
-        break;                                                                      \
-    }
-    switch (M) {
-        ROWS_CASE(2, 2) ROWS_CASE(3, 2) ROWS_CASE(4, 2)
-        ROWS_CASE(5, 1) ROWS_CASE(6, 1) ROWS_CASE(7, 1) ROWS_CASE(8, 1)
-        default: break;
-    }
-#undef ROWS_CASE
-}
-
-// Few rows (decode): many outputs per tile so enough independent FMA chains are in flight.
-#define NT_FEW1 6
-#define NT_FEW2 4
-// Many rows (prefill, big batches): a 2 x 6 register tile, rows in panels that stay in L2.
-#define NT_MANY 2
-#define MT_MANY 6
-#define PANEL 48
-
-INLINE void tiles_few(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
-                      int64_t ldy, int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    if (M == 1 && w->kind == 0)
-        for (; n + NT_FEW1 <= n1; n += NT_FEW1) tile_q4_1_m1(w, n, NT_FEW1, x, y);
-    else if (M == 1)
-        for (; n + NT_FEW1 <= n1; n += NT_FEW1) tile(w, n, NT_FEW1, x, ldx, 1, y, ldy);
-    else
-        for (; n + NT_FEW2 <= n1; n += NT_FEW2) tile(w, n, NT_FEW2, x, ldx, 2, y, ldy);
-    for (; n < n1; n++) {
-        if (M == 1) tile(w, n, 1, x, ldx, 1, y, ldy);
-        else tile(w, n, 1, x, ldx, 2, y, ldy);
+#undef F32_CASE
     }
 }
 
-static void rows_kind(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
-                      int64_t ldy, int64_t n0, int64_t n1) {
-    if (M == 1 || (M == 2 && w->kind == 2)) {
-        tiles_few(w, x, ldx, M, y, ldy, n0, n1);
+// Quantised weights: rows [0, M) x groups [g0, g1); buf: this thread's [2, K, 8] floats.
+// The tile shapes per row count were measured (bench_kernels.py; architecture.md).
+INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const float *sx,
+                       float *buf, int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
+    const int64_t nb = w->nb;
+#define CODES_CASE(MT, NT, TREG)                                                             \
+    case MT: {                                                                               \
+        int64_t g = g0;                                                                      \
+        for (; g + NT <= g1; g += NT)                                                        \
+            tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, x, ldx, sx, MT, y + g * 8,     \
+                       ldy, TREG);                                                           \
+        for (; g < g1; g++) tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + g * 8, ldy, TREG);    \
+        break;                                                                               \
+    }
+    if (M <= MAX_ROWS) {
+        switch (M) {
+            CODES_CASE(1, 4, 1) CODES_CASE(2, 4, 0) CODES_CASE(3, 2, 1) CODES_CASE(4, 1, 1)
+            CODES_CASE(5, 1, 1) CODES_CASE(6, 1, 1) CODES_CASE(7, 1, 0) CODES_CASE(8, 1, 0)
+            default: break;
+        }
         return;
     }
-    if (M <= MAX_ROWS && w->kind != 2) {
-        tiles_rows(w, x, ldx, M, y, ldy, n0, n1);
-        return;
-    }
-    // Quantised weights: each pair of output rows is dequantised once per panel into a
-    // float buffer (the same floats weights8 gives) and the float tile runs over it, so the
-    // dequantisation is shared by the panel's rows instead of by one register tile.
-    float *buf = w->kind == 2 ? NULL : (float *)aligned_alloc(32, NT_MANY * w->K * sizeof(float));
-    if (w->kind != 2 && buf == NULL) {  // no buffer: one row at a time (same arithmetic)
-        for (int r = 0; r < M; r++) tiles_few(w, x + (int64_t)r * ldx, ldx, 1, y + (int64_t)r * ldy, ldy, n0, n1);
-        return;
-    }
-    weight_t wb = {2, buf, NULL, NULL, w->K, NT_MANY};
+#undef CODES_CASE
     for (int p0 = 0; p0 < M; p0 += PANEL) {
         const int pm = M - p0 < PANEL ? M - p0 : PANEL;
-        const float *xp = x + (int64_t)p0 * ldx;
-        float *yp = y + (int64_t)p0 * ldy;
-        int64_t n = n0;
-        for (; n + NT_MANY <= n1; n += NT_MANY) {
-            const weight_t *wt = w;
-            int64_t nt = n;
-            if (buf != NULL) {
-                for (int i = 0; i < NT_MANY; i++)
-                    for (int64_t b = 0; b < w->K / 32; b++)
-                        for (int j = 0; j < 4; j++)
-                            _mm256_storeu_ps(buf + i * w->K + b * 32 + j * 8, weights8(w, n + i, b, j));
-                wt = &wb;
-                nt = 0;
-            }
-            // yt points at the tile's first output column relative to nt.
-            float *yt = yp + (n - nt);
-            int r = 0;
-            for (; r + MT_MANY <= pm; r += MT_MANY)
-                tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, MT_MANY, yt + r * ldy, ldy);
-            switch (pm - r) {
-                case 5: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 5, yt + r * ldy, ldy); break;
-                case 4: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 4, yt + r * ldy, ldy); break;
-                case 3: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 3, yt + r * ldy, ldy); break;
-                case 2: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 2, yt + r * ldy, ldy); break;
-                case 1: tile_f32(wt, nt, NT_MANY, xp + r * ldx, ldx, 1, yt + r * ldy, ldy); break;
-                default: break;
+        for (int64_t g = g0; g < g1; g += 2) {
+            const int NB = g + 2 <= g1 ? 2 : 1;
+            for (int i = 0; i < NB; i++)
+                for (int64_t b = 0; b < nb; b++) {
+                    float *o = buf + (i * w->K + b * 32) * 8;
+                    if (w->kind == 0) {
+                        for (int p = 0; p < 16; p++) {
+                            __m256 lo, hi;
+                            q4_codes(w, g + i, b, p, &lo, &hi);
+                            _mm256_store_ps(o + (2 * p) * 8, lo);
+                            _mm256_store_ps(o + (2 * p + 1) * 8, hi);
+                        }
+                    } else {
+                        for (int j = 0; j < 32; j++) _mm256_store_ps(o + j * 8, q8_codes(w, g + i, b, j));
+                    }
+                }
+            for (int r = p0; r < p0 + pm; r += 6) {
+                const int mt = p0 + pm - r < 6 ? p0 + pm - r : 6;
+                const float *xr = x + (int64_t)r * ldx, *sr = sx + (int64_t)r * nb;
+                float *yr = y + (int64_t)r * ldy + g * 8;
+#define BUF_CASE(MT)                                                                        \
+    case MT:                                                                                \
+        if (NB == 2) tile_buffered(w, g, buf, 2, xr, ldx, sr, MT, yr, ldy);                 \
+        else tile_buffered(w, g, buf, 1, xr, ldx, sr, MT, yr, ldy);                         \
+        break;
+                switch (mt) {
+                    BUF_CASE(1) BUF_CASE(2) BUF_CASE(3) BUF_CASE(4) BUF_CASE(5) BUF_CASE(6)
+                    default: break;
+                }
+#undef BUF_CASE
             }
         }
-        for (; n < n1; n++)
-            for (int r = 0; r < pm; r++) tile(w, n, 1, xp + r * ldx, ldx, 1, yp + r * ldy, ldy);
     }
-    free(buf);
 }
+
+// One call's activations: x rows at ldx, and what gemm() derived from them once: sx (Q4_1
+// block sums); bufs: per thread, the many-row path's converted codes.
+typedef struct {
+    const float *x, *sx;
+    int64_t ldx;
+    float *bufs;  // [threads, 2 * K * 8]
+    int M;
+} act_t;
 
 // One specialised copy per weight kind (the kind branch folds away inside each).
-static void rows_q4_1(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
-                      int64_t ldy, int64_t n0, int64_t n1) {
+static void rows_q4_1(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
+                      int64_t g0, int64_t g1) {
     weight_t c = *w;
     c.kind = 0;
-    rows_kind(&c, x, ldx, M, y, ldy, n0, n1);
+    codes_rows(&c, a->x, a->ldx, a->sx, buf, a->M, y, ldy, g0, g1);
 }
-static void rows_q8_0(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
-                      int64_t ldy, int64_t n0, int64_t n1) {
+static void rows_q8_0(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
+                      int64_t g0, int64_t g1) {
     weight_t c = *w;
     c.kind = 1;
-    rows_kind(&c, x, ldx, M, y, ldy, n0, n1);
+    codes_rows(&c, a->x, a->ldx, a->sx, buf, a->M, y, ldy, g0, g1);
 }
-static void rows_f32(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
-                     int64_t ldy, int64_t n0, int64_t n1) {
-    weight_t c = *w;
-    c.kind = 2;
-    rows_kind(&c, x, ldx, M, y, ldy, n0, n1);
+static void rows_any(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
+                     int64_t g0, int64_t g1) {
+    if (w->kind == 2) f32_rows(w, a->x, a->ldx, a->M, y, ldy, g0, g1);
+    else if (w->kind == 0) rows_q4_1(w, a, buf, y, ldy, g0, g1);
+    else rows_q8_0(w, a, buf, y, ldy, g0, g1);
 }
 
-// Entry point (ctypes). Output rows are split over threads in multiples of 6 (so a thread
-// boundary never splits a tile differently; not needed for the numbers, kept for speed).
-void gemm(int kind, const void *qs, const float *d, const float *m, const float *x,
-          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
-    weight_t w = {kind, qs, d, m, K, N};
-    void (*fn)(const weight_t *, const float *, int64_t, int, float *, int64_t, int64_t,
-               int64_t) = kind == 0 ? rows_q4_1 : kind == 1 ? rows_q8_0 : rows_f32;
-    if (nthreads <= 1 || N < 12) {
-        fn(&w, x, ldx, M, y, ldy, 0, N);
-        return;
+// The groups [g0, g1) of this thread. The padded last group (N % 8) is computed into tail
+// ([M, 8]) and copied, so that no store lands past output N - 1 of a row.
+static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tail, float *y,
+                       int64_t ldy, int64_t g0, int64_t g1) {
+    const int64_t full = w->N / 8;
+    if (g0 < full) rows_any(w, a, buf, y, ldy, g0, g1 < full ? g1 : full);
+    if (g1 > full && full >= g0) {
+        rows_any(w, a, buf, tail - full * 8, 8, full, full + 1);
+        for (int r = 0; r < a->M; r++)
+            memcpy(y + (int64_t)r * ldy + full * 8, tail + r * 8, (w->N - full * 8) * sizeof(float));
+    }
+}
+
+// The calling thread's scratch memory, kept between calls (a decode step makes ~120 calls;
+// freeing and mapping a few hundred KB each time costs more than the small ones' work).
+static __thread float *scratch;
+static __thread size_t scratch_floats;
+
+static float *scratch_for(size_t n) {
+    if (n > scratch_floats) {
+        free(scratch);
+        scratch = (float *)aligned_alloc(32, (n + 7) / 8 * 8 * sizeof(float));
+        scratch_floats = scratch ? (n + 7) / 8 * 8 : 0;
+    }
+    return scratch;
+}
+
+// Entry point (ctypes). Groups are split over threads in multiples of 4 (the decode tile).
+// Returns 0, or -1 when its scratch memory could not be allocated (nothing computed).
+int gemm(int kind, const void *qs, const float *d, const float *m, const float *x,
+         int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
+    if (M <= 0) return 0;
+    weight_t w = {kind, qs, d, m, K, N, K / 32};
+    const int64_t G = (N + 7) / 8, nb = K / 32;
+    if (nthreads < 1 || G < 8) nthreads = 1;
+    // Scratch: sx [M, nb] | bufs [threads, 2K x 8] (many rows) | tail [M, 8]; each part a
+    // multiple of 8 floats, so that every part stays 32-byte aligned.
+    const size_t n_sx = kind == 0 ? ((size_t)M * nb + 7) / 8 * 8 : 0;
+    const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * 8 : 0;
+    float *base = scratch_for(n_sx + n_buf + (size_t)M * 8);
+    if (base == NULL) return -1;
+    act_t a = {x, base, ldx, base + n_sx, M};
+    float *tail = base + n_sx + n_buf;
+    for (int r = 0; r < (kind == 0 ? M : 0); r++)
+        for (int64_t b = 0; b < nb; b++) base[r * nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
+    if (nthreads == 1) {
+        run_groups(&w, &a, a.bufs, tail, y, ldy, 0, G);
+        return 0;
     }
 #pragma omp parallel num_threads(nthreads)
     {
         THREAD_INDEX(t, T);
-        int64_t units = (N + 5) / 6, per = (units + T - 1) / T;
-        int64_t n0 = t * per * 6, n1 = (t + 1) * per * 6;
-        if (n1 > N) n1 = N;
-        if (n0 < n1) fn(&w, x, ldx, M, y, ldy, n0, n1);
+        int64_t units = (G + 3) / 4, per = (units + T - 1) / T;
+        int64_t g0 = t * per * 4, g1 = (t + 1) * per * 4;
+        if (g1 > G) g1 = G;
+        if (g0 < g1) run_groups(&w, &a, a.bufs + (size_t)t * 2 * K * 8, tail, y, ldy, g0, g1);
     }
+    return 0;
 }

@@ -1,6 +1,11 @@
 """Matmuls of any row count from packed weights (gemm.c, AVX2 + FMA): a GGUF's Q4_1 / Q8_0
 blocks, int8 with per-channel scales, or plain float32.
 
+A :class:`PackedWeight` holds a weight in the checkpoint's own layout (one row of blocks per
+output: what loading, slicing and stacking work on, and what qgemm.c reads); gemm.c reads
+its :attr:`PackedWeight.kernel` form, the same codes regrouped so that one vector lane
+serves one output of a group of 8 (:class:`KernelWeight`), built once per weight.
+
 Two reasons to own this matmul rather than call torch's GEMM:
 
 * **Bytes per weight.** A decode step reads every weight once; Q4_1 is 0.75 bytes per weight
@@ -19,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -44,7 +50,7 @@ def _bind(name: str, restype) -> ctypes.CDLL | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    return _bind("gemm", None)
+    return _bind("gemm", ctypes.c_int)
 
 
 def available() -> bool:
@@ -86,6 +92,11 @@ class PackedWeight:
             self.kind, pick(self.qs), pick(self.d), pick(self.m), (len(index), self.shape[1])
         )
 
+    @cached_property
+    def kernel(self) -> KernelWeight:
+        """This weight in gemm.c's layout (built on first use, then kept)."""
+        return KernelWeight.of(self)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the tests compare against)."""
         n, k = self.shape
@@ -96,6 +107,62 @@ class PackedWeight:
         lo, hi = self.qs & 0x0F, self.qs >> 4
         q = torch.cat([lo, hi], dim=-1).float()  # [N, K/32, 32]
         return (q * self.d[..., None] + self.m[..., None]).view(n, k)
+
+
+def _grouped(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, ...] -> [G, 8, ...]: rows in groups of 8, the last padded with zeros."""
+    pad = -n % 8
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, 8, *t.shape[1:])
+
+
+@dataclass
+class KernelWeight:
+    """A weight in gemm.c's layout: outputs in G = ceil(N/8) groups of 8 (zero padded), the
+    group's 8 outputs innermost, so that one vector lane computes one output.
+
+    Q4_1: ``qs`` uint8 [G, K/32, 16, 8] (byte p of each output's block), ``d``/``m`` [G, K/32, 8];
+    Q8_0: ``qs`` int8 [G, K/32, 32, 8], ``d`` [G, K/32, 8]; F32: ``qs`` float32 [G, K, 8]."""
+
+    kind: str
+    qs: torch.Tensor
+    d: torch.Tensor | None
+    m: torch.Tensor | None
+    shape: tuple[int, int]
+
+    @staticmethod
+    def of(w: PackedWeight) -> KernelWeight:
+        n, k = w.shape
+
+        def scales(t):  # [N, K/32] -> [G, K/32, 8]
+            return None if t is None else _grouped(t, n).permute(0, 2, 1).contiguous()
+
+        if w.kind == Q4_1:  # [N, K/32, 16] -> [G, K/32, 16, 8]
+            qs = _grouped(w.qs, n).permute(0, 2, 3, 1)
+        elif w.kind == Q8_0:  # [N, K] -> [G, K/32, 32, 8]
+            qs = _grouped(w.qs.reshape(n, k // 32, 32), n).permute(0, 2, 3, 1)
+        else:  # [N, K] -> [G, K, 8]
+            qs = _grouped(w.qs, n).permute(0, 2, 1)
+        return KernelWeight(w.kind, qs.contiguous(), scales(w.d), scales(w.m), w.shape)
+
+    def logical(self) -> PackedWeight:
+        """Back to the checkpoint layout (the tests check the round trip)."""
+        n, k = self.shape
+
+        def rows(t, inner):  # [G, a, ..., 8] -> [N, a, ...]
+            return t.permute(0, t.dim() - 1, *range(1, t.dim() - 1)).reshape(-1, *inner)[:n]
+
+        def scales(t):
+            return None if t is None else rows(t, (k // 32,)).contiguous()
+
+        if self.kind == Q4_1:
+            qs = rows(self.qs, (k // 32, 16))
+        elif self.kind == Q8_0:
+            qs = rows(self.qs, (k // 32, 32)).reshape(n, k)
+        else:
+            qs = rows(self.qs, (k,))
+        return PackedWeight(self.kind, qs.contiguous(), scales(self.d), scales(self.m), self.shape)
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -161,7 +228,7 @@ def _output(m_rows: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _run(fn, what: str, x: torch.Tensor, w: PackedWeight, num_threads, out) -> torch.Tensor:
+def _run(fn, what: str, x: torch.Tensor, w, num_threads, out) -> torch.Tensor:
     x = x.contiguous()
     m_rows, k = x.shape
     n = w.shape[0]
@@ -173,20 +240,21 @@ def _run(fn, what: str, x: torch.Tensor, w: PackedWeight, num_threads, out) -> t
     rc = fn(_KIND_IDS[w.kind], _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k, y.data_ptr(),
             n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
     if rc:
-        raise MemoryError(f"{what}: no memory for {m_rows} x {k} quantised activations")
+        raise MemoryError(f"{what}: no scratch memory for {m_rows} x {k} activations")
     return y
 
 
 def matmul(
     x: torch.Tensor,
-    w: PackedWeight,
+    w: PackedWeight | KernelWeight,
     num_threads: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32 (into ``out`` if given)."""
     lib = library()
     assert lib is not None, "CPU kernels are not available"
-    return _run(lib.gemm, "matmul", x, w, num_threads, out)
+    kw = w.kernel if isinstance(w, PackedWeight) else w
+    return _run(lib.gemm, "matmul", x, kw, num_threads, out)
 
 
 def matmul_q8(

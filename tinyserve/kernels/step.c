@@ -12,8 +12,8 @@
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
 
-typedef void (*gemm_fn)(int, const void *, const float *, const float *, const float *, int64_t,
-                        float *, int64_t, int64_t, int64_t, int, int);
+typedef int (*gemm_fn)(int, const void *, const float *, const float *, const float *, int64_t,
+                       float *, int64_t, int64_t, int64_t, int, int);
 typedef int (*qgemm_fn)(int, const void *, const float *, const float *, const float *, int64_t,
                         float *, int64_t, int64_t, int64_t, int, int);
 typedef void (*rms_fn)(const float *, float *, const float *, float *, int64_t, int64_t, float,
@@ -27,9 +27,11 @@ typedef int (*attn_fn)(const float *, int64_t, const float *, const float *, int
 
 typedef struct {
     int64_t kind, int8_decode;  // kind as in gemm.c; int8_decode: decode rows through qgemm
-    const void *qs;
+    const void *qs;             // qs, d, m: gemm.c's layout
     const float *d, *m, *bias;  // bias may be NULL
     int64_t N, K;
+    const void *q8_qs;          // q8_*: the checkpoint layout qgemm.c reads (int8_decode only)
+    const float *q8_d, *q8_m;
 } linear_t;
 
 typedef struct {
@@ -61,12 +63,13 @@ static int linear(const model_t *mo, const linear_t *w, const float *x, float *y
                   int nt) {
     int rc = 0;
     if (w->int8_decode && nd > 0) {
-        rc = mo->qgemm((int)w->kind, w->qs, w->d, w->m, x, w->K, y, w->N, w->N, w->K, nd, nt);
+        rc = mo->qgemm((int)w->kind, w->q8_qs, w->q8_d, w->q8_m, x, w->K, y, w->N, w->N, w->K,
+                       nd, nt);
         if (nd < M)
-            mo->gemm((int)w->kind, w->qs, w->d, w->m, x + (int64_t)nd * w->K, w->K,
+            rc |= mo->gemm((int)w->kind, w->qs, w->d, w->m, x + (int64_t)nd * w->K, w->K,
                      y + (int64_t)nd * w->N, w->N, w->N, w->K, M - nd, nt);
     } else {
-        mo->gemm((int)w->kind, w->qs, w->d, w->m, x, w->K, y, w->N, w->N, w->K, M, nt);
+        rc = mo->gemm((int)w->kind, w->qs, w->d, w->m, x, w->K, y, w->N, w->N, w->K, M, nt);
     }
     if (w->bias)  // y + bias, one rounding per element, as torch adds it
         for (int64_t r = 0; r < M; r++)

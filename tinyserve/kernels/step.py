@@ -23,7 +23,8 @@ P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", I64), ("int8_decode", I64), ("qs", P), ("d", P), ("m", P),
-                ("bias", P), ("N", I64), ("K", I64)]  # fmt: skip
+                ("bias", P), ("N", I64), ("K", I64), ("q8_qs", P), ("q8_d", P),
+                ("q8_m", P)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -63,13 +64,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _linear(layer) -> _Linear | None:
+    """gemm.c's pointers (the kernel layout) and, for int8 decode rows, qgemm.c's (the
+    checkpoint layout)."""
     method = layer.method
-    packed = getattr(method, "packed", None)
-    if packed is None:
+    kw = getattr(method, "kernel", None)
+    if kw is None:
         return None
-    n, k = packed.shape
-    return _Linear(gemm._KIND_IDS[packed.kind], int(method.int8_decode), _ptr(packed.qs),
-                   _ptr(packed.d), _ptr(packed.m), _ptr(layer.bias), n, k)  # fmt: skip
+    n, k = kw.shape
+    q8 = method.packed if method.int8_decode else None
+    q8_ptrs = (None, None, None) if q8 is None else (_ptr(q8.qs), _ptr(q8.d), _ptr(q8.m))
+    return _Linear(gemm._KIND_IDS[kw.kind], int(method.int8_decode), _ptr(kw.qs), _ptr(kw.d),
+                   _ptr(kw.m), _ptr(layer.bias), n, k, *q8_ptrs)  # fmt: skip
 
 
 class StepPlan:
@@ -145,6 +150,6 @@ def build_plan(model) -> StepPlan | None:
             return None
         layers.append(_Layer(_ptr(norms[0].weight), _ptr(norms[1].weight), *lins))
         keep += [n.weight for n in norms]
-        keep += [(m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
+        keep += [(m.method.kernel, m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
     return StepPlan(model, (_Layer * len(layers))(*layers), keep)

@@ -71,19 +71,23 @@ class PackedMethod(LinearMethod):
     ``int8_decode`` (GGUF blocks only), decode rows take the int8-activation kernel."""
 
     def __init__(self, packed: PackedWeight, int8_decode: bool = False) -> None:
-        self.packed = packed
         self.int8_decode = int8_decode and packed.kind in (gemm.Q4_1, gemm.Q8_0)
+        self.kind, self.shape = packed.kind, packed.shape
+        self.kernel = packed.kernel  # gemm.c's layout
+        # The checkpoint's layout only where qgemm.c reads it (int8 decode rows): otherwise
+        # it is dropped with the loader's copy, so the blocks are held once.
+        self.packed = packed if self.int8_decode else None
         self.name = f"kernel-{packed.kind}" + ("+int8-decode" if self.int8_decode else "")
 
     def apply(self, layer, x, num_decode=0):
         if self.int8_decode and num_decode > 0:
             x = x.contiguous()
-            y = torch.empty(x.shape[0], self.packed.shape[0], dtype=torch.float32)
+            y = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
             gemm.matmul_q8(x[:num_decode], self.packed, out=y[:num_decode])
             if num_decode < x.shape[0]:
-                gemm.matmul(x[num_decode:], self.packed, out=y[num_decode:])
+                gemm.matmul(x[num_decode:], self.kernel, out=y[num_decode:])
         else:
-            y = gemm.matmul(x, self.packed)
+            y = gemm.matmul(x, self.kernel)
         return y if layer.bias is None else y + layer.bias
 
 

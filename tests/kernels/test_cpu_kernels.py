@@ -80,27 +80,29 @@ def test_take_rows_and_cat_rows_keep_rows_with_their_blocks():
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "int8"])
 @pytest.mark.parametrize("n", [8, 203])
-def test_kernel_layout_round_trips_and_groups_outputs_by_eight(kind, n):
-    """gemm.c's layout holds exactly the checkpoint's codes, scales and minima: output 8g + c
-    is lane c of group g, and the padding of the last group is zero."""
+def test_kernel_layout_groups_outputs_by_eight(kind, n):
+    """gemm.c's layout holds exactly the checkpoint's codes, scales and minima: every output
+    8g + c is lane c of group g, and the padding of the last group is zero."""
     k = 96
     w = packed_weight(kind, n, k, seed=n)
     kw = w.kernel
-    assert kw.qs.shape[0] == (n + 7) // 8 and kw.qs.shape[-1] == 8
-    back = kw.logical()
-    for name in ("qs", "d", "m"):
-        a, b = getattr(w, name), getattr(back, name)
-        assert (a is None and b is None) or torch.equal(a, b), name
-    assert torch.equal(back.dequantize(), w.dequantize())
-    if n % 8:
-        assert not kw.qs[-1, ..., n % 8 :].any()
-    c = n // 2  # one output's codes where the layout says they are
-    if kind == "q4_1":
-        assert torch.equal(kw.qs[c // 8, :, :, c % 8], w.qs[c])
-    elif kind == "f32":
-        assert torch.equal(kw.qs[c // 8, :, c % 8], w.qs[c])
-    else:
-        assert torch.equal(kw.qs[c // 8, :, :, c % 8].reshape(k), w.qs[c])
+    groups = (n + 7) // 8
+    assert kw.qs.shape[0] == groups and kw.qs.shape[-1] == 8 and kw.shape == w.shape
+    for c in range(n):
+        g, lane = divmod(c, 8)
+        if kind == "q4_1":  # [G, K/32, 16, 8]: byte p of each block
+            assert torch.equal(kw.qs[g, ..., lane], w.qs[c])
+        elif kind == "f32":  # [G, K, 8]
+            assert torch.equal(kw.qs[g, :, lane], w.qs[c])
+        else:  # [G, K/32, 32, 8]
+            assert torch.equal(kw.qs[g, ..., lane].reshape(k), w.qs[c])
+        for name in ("d", "m"):
+            a, b = getattr(w, name), getattr(kw, name)
+            assert (a is None and b is None) or torch.equal(b[g, :, lane], a[c]), name
+    pad = groups * 8 - n
+    for t in (kw.qs, kw.d, kw.m):
+        if t is not None and pad:
+            assert not t[-1, ..., 8 - pad :].any()
 
 
 def test_packed_method_keeps_the_checkpoint_layout_only_for_int8_decode():

@@ -184,7 +184,8 @@ INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
 #define PANEL 48    // many rows: row panels whose x stays in L2
 
-// Rows [0, M) x groups [g0, g1) into y (full groups only: every lane is stored).
+// Rows [0, M) x groups [g0, g1) into y, which points at group g0's first output (full
+// groups only: every lane is stored).
 static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
                      int64_t ldy, int64_t g0, int64_t g1) {
     for (int r0 = 0; r0 < M; r0 += 6) {
@@ -194,9 +195,9 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
         int64_t g = g0;
 #define F32_CASE(MT, NT)                                                                    \
     case MT:                                                                                \
-        for (; g + NT <= g1; g += NT) tile_f32(w, g, NT, xr, ldx, MT, yr + g * 8, ldy);       \
-        for (; g + 2 <= g1; g += 2) tile_f32(w, g, 2, xr, ldx, MT, yr + g * 8, ldy);          \
-        for (; g < g1; g++) tile_f32(w, g, 1, xr, ldx, MT, yr + g * 8, ldy);                  \
+        for (; g + NT <= g1; g += NT) tile_f32(w, g, NT, xr, ldx, MT, yr + (g - g0) * 8, ldy); \
+        for (; g + 2 <= g1; g += 2) tile_f32(w, g, 2, xr, ldx, MT, yr + (g - g0) * 8, ldy);    \
+        for (; g < g1; g++) tile_f32(w, g, 1, xr, ldx, MT, yr + (g - g0) * 8, ldy);            \
         break;
         // NT x MT >= 6 accumulators: enough independent FMA chains in flight
         switch (mt) {
@@ -207,7 +208,8 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
     }
 }
 
-// Quantised weights: rows [0, M) x groups [g0, g1); buf: this thread's [2, K, 8] floats.
+// Quantised weights: rows [0, M) x groups [g0, g1) into y (group g0's first output); buf:
+// this thread's [2, K, 8] floats.
 // The tile shapes per row count were measured (bench_kernels.py; architecture.md).
 INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const float *sx,
                        float *buf, int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
@@ -216,9 +218,10 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     case MT: {                                                                               \
         int64_t g = g0;                                                                      \
         for (; g + NT <= g1; g += NT)                                                        \
-            tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, x, ldx, sx, MT, y + g * 8,     \
-                       ldy, TREG);                                                           \
-        for (; g < g1; g++) tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + g * 8, ldy, TREG);    \
+            tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, x, ldx, sx, MT,               \
+                       y + (g - g0) * 8, ldy, TREG);                                         \
+        for (; g < g1; g++)                                                                  \
+            tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * 8, ldy, TREG);             \
         break;                                                                               \
     }
     if (M <= MAX_ROWS) {
@@ -251,7 +254,7 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
             for (int r = p0; r < p0 + pm; r += 6) {
                 const int mt = p0 + pm - r < 6 ? p0 + pm - r : 6;
                 const float *xr = x + (int64_t)r * ldx, *sr = sx + (int64_t)r * nb;
-                float *yr = y + (int64_t)r * ldy + g * 8;
+                float *yr = y + (int64_t)r * ldy + (g - g0) * 8;
 #define BUF_CASE(MT)                                                                        \
     case MT:                                                                                \
         if (NB == 2) tile_buffered(w, g, buf, 2, xr, ldx, sr, MT, yr, ldy);                 \
@@ -267,12 +270,10 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     }
 }
 
-// One call's activations: x rows at ldx, and what gemm() derived from them once: sx (Q4_1
-// block sums); bufs: per thread, the many-row path's converted codes.
+// One call's activations: x rows at ldx, and their Q4_1 block sums sx, computed once.
 typedef struct {
     const float *x, *sx;
     int64_t ldx;
-    float *bufs;  // [threads, 2 * K * 8]
     int M;
 } act_t;
 
@@ -301,26 +302,12 @@ static void rows_any(const weight_t *w, const act_t *a, float *buf, float *y, in
 static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tail, float *y,
                        int64_t ldy, int64_t g0, int64_t g1) {
     const int64_t full = w->N / 8;
-    if (g0 < full) rows_any(w, a, buf, y, ldy, g0, g1 < full ? g1 : full);
+    if (g0 < full) rows_any(w, a, buf, y + g0 * 8, ldy, g0, g1 < full ? g1 : full);
     if (g1 > full && full >= g0) {
-        rows_any(w, a, buf, tail - full * 8, 8, full, full + 1);
+        rows_any(w, a, buf, tail, 8, full, full + 1);
         for (int r = 0; r < a->M; r++)
             memcpy(y + (int64_t)r * ldy + full * 8, tail + r * 8, (w->N - full * 8) * sizeof(float));
     }
-}
-
-// The calling thread's scratch memory, kept between calls (a decode step makes ~120 calls;
-// freeing and mapping a few hundred KB each time costs more than the small ones' work).
-static __thread float *scratch;
-static __thread size_t scratch_floats;
-
-static float *scratch_for(size_t n) {
-    if (n > scratch_floats) {
-        free(scratch);
-        scratch = (float *)aligned_alloc(32, (n + 7) / 8 * 8 * sizeof(float));
-        scratch_floats = scratch ? (n + 7) / 8 * 8 : 0;
-    }
-    return scratch;
 }
 
 // Entry point (ctypes). Groups are split over threads in multiples of 4 (the decode tile).
@@ -332,26 +319,27 @@ int gemm(int kind, const void *qs, const float *d, const float *m, const float *
     const int64_t G = (N + 7) / 8, nb = K / 32;
     if (nthreads < 1 || G < 8) nthreads = 1;
     // Scratch: sx [M, nb] | bufs [threads, 2K x 8] (many rows) | tail [M, 8]; each part a
-    // multiple of 8 floats, so that every part stays 32-byte aligned.
+    // multiple of 8 floats, so that every part stays 32-byte aligned. A few KB at decode.
     const size_t n_sx = kind == 0 ? ((size_t)M * nb + 7) / 8 * 8 : 0;
     const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * 8 : 0;
-    float *base = scratch_for(n_sx + n_buf + (size_t)M * 8);
+    float *base = (float *)aligned_alloc(32, (n_sx + n_buf + (size_t)M * 8) * sizeof(float));
     if (base == NULL) return -1;
-    act_t a = {x, base, ldx, base + n_sx, M};
-    float *tail = base + n_sx + n_buf;
+    float *bufs = base + n_sx, *tail = bufs + n_buf;
+    const act_t a = {x, base, ldx, M};
     for (int r = 0; r < (kind == 0 ? M : 0); r++)
         for (int64_t b = 0; b < nb; b++) base[r * nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
     if (nthreads == 1) {
-        run_groups(&w, &a, a.bufs, tail, y, ldy, 0, G);
-        return 0;
-    }
+        run_groups(&w, &a, bufs, tail, y, ldy, 0, G);
+    } else {
 #pragma omp parallel num_threads(nthreads)
-    {
-        THREAD_INDEX(t, T);
-        int64_t units = (G + 3) / 4, per = (units + T - 1) / T;
-        int64_t g0 = t * per * 4, g1 = (t + 1) * per * 4;
-        if (g1 > G) g1 = G;
-        if (g0 < g1) run_groups(&w, &a, a.bufs + (size_t)t * 2 * K * 8, tail, y, ldy, g0, g1);
+        {
+            THREAD_INDEX(t, T);
+            int64_t units = (G + 3) / 4, per = (units + T - 1) / T;
+            int64_t g0 = t * per * 4, g1 = (t + 1) * per * 4;
+            if (g1 > G) g1 = G;
+            if (g0 < g1) run_groups(&w, &a, bufs + (size_t)t * 2 * K * 8, tail, y, ldy, g0, g1);
+        }
     }
+    free(base);
     return 0;
 }

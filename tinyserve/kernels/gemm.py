@@ -146,24 +146,6 @@ class KernelWeight:
             qs = _grouped(w.qs, n).permute(0, 2, 1)
         return KernelWeight(w.kind, qs.contiguous(), scales(w.d), scales(w.m), w.shape)
 
-    def logical(self) -> PackedWeight:
-        """Back to the checkpoint layout (the tests check the round trip)."""
-        n, k = self.shape
-
-        def rows(t, inner):  # [G, a, ..., 8] -> [N, a, ...]
-            return t.permute(0, t.dim() - 1, *range(1, t.dim() - 1)).reshape(-1, *inner)[:n]
-
-        def scales(t):
-            return None if t is None else rows(t, (k // 32,)).contiguous()
-
-        if self.kind == Q4_1:
-            qs = rows(self.qs, (k // 32, 16))
-        elif self.kind == Q8_0:
-            qs = rows(self.qs, (k // 32, 32)).reshape(n, k)
-        else:
-            qs = rows(self.qs, (k,))
-        return PackedWeight(self.kind, qs.contiguous(), scales(self.d), scales(self.m), self.shape)
-
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack weights of one kind along the output rows (fused q/k/v, gate/up)."""

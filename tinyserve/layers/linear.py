@@ -72,7 +72,6 @@ class PackedMethod(LinearMethod):
 
     def __init__(self, packed: PackedWeight, int8_decode: bool = False) -> None:
         self.int8_decode = int8_decode and packed.kind in (gemm.Q4_1, gemm.Q8_0)
-        self.kind, self.shape = packed.kind, packed.shape
         self.kernel = packed.kernel  # gemm.c's layout
         # The checkpoint's layout only where qgemm.c reads it (int8 decode rows): otherwise
         # it is dropped with the loader's copy, so the blocks are held once.
@@ -82,7 +81,7 @@ class PackedMethod(LinearMethod):
     def apply(self, layer, x, num_decode=0):
         if self.int8_decode and num_decode > 0:
             x = x.contiguous()
-            y = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+            y = torch.empty(x.shape[0], self.kernel.shape[0], dtype=torch.float32)
             gemm.matmul_q8(x[:num_decode], self.packed, out=y[:num_decode])
             if num_decode < x.shape[0]:
                 gemm.matmul(x[num_decode:], self.kernel, out=y[num_decode:])

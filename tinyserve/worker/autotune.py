@@ -92,10 +92,12 @@ def _measure(kind: str, n: int, k: int) -> dict[str, dict[int, float]]:
         else:
             packed = gemm.from_dense(base)
         every_row = torch.arange(n)
-        copies = [packed] + [  # take_rows copies codes, scales and minima: all streamed
-            packed.take_rows(every_row) for _ in range(max(0, _LLC_BYTES // packed.nbytes - 1))
+        # gemm.c's layout of each copy (take_rows copies codes, scales and minima: all
+        # streamed), built before the timing.
+        copies = [packed.kernel] + [
+            packed.take_rows(every_row).kernel
+            for _ in range(max(0, _LLC_BYTES // packed.nbytes - 1))
         ]
-        copies = [c.kernel for c in copies]  # gemm.c's layout, built before the timing
         timings["float32+kernels"] = _sweep(lambda x, w: gemm.matmul(x, w), copies, k)
     bf16 = base.to(torch.bfloat16)
     copies = [bf16] + [bf16.clone() for _ in range(_LLC_BYTES // bf16.nbytes - 1)]

@@ -9,6 +9,7 @@ bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio
 and from /metrics the acceptance rate and output tokens per verified draft step.
 
 python benchmarks/bench_spec.py [--reps 2] [--out benchmarks/results/spec_decode.json]
+    [--spec '{"method": "ngram", ...}'] [--cells grounded:1,mixed:8]
 """
 
 from __future__ import annotations
@@ -66,16 +67,23 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/spec_decode.json")
     p.add_argument("--extra-args", default="", help="more `serve` flags for both servers")
+    p.add_argument("--spec", default=SPEC, help="the `on` server's --speculative-config")
+    p.add_argument("--cells", default=None,
+                   help="a subset, e.g. 'grounded:1,mixed:8' (default: all six)")  # fmt: skip
     args = p.parse_args()
+    cells = CELLS
+    if args.cells:
+        wanted = {tuple(c.split(":")) for c in args.cells.split(",")}
+        cells = [c for c in CELLS if (c[0], str(c[1])) in wanted]
     common = ["--max-num-seqs", "32", *args.extra_args.split()]
     logs = Path(tempfile.mkdtemp(prefix="bench_spec_"))
     servers = {
         "off": start_server(common, logs / "off.log"),
-        "on": start_server([*common, "--speculative-config", SPEC], logs / "on.log"),
+        "on": start_server([*common, "--speculative-config", args.spec], logs / "on.log"),
     }
     results = []
     try:
-        for workload, conc, n in CELLS:
+        for workload, conc, n in cells:
             cell = {"workload": workload, "concurrency": conc, "num_requests": n, "runs": []}
             for rep in range(args.reps):
                 for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
@@ -95,7 +103,7 @@ def main() -> int:
     finally:
         for s in servers.values():
             s.stop()
-    report = {"machine": machine_info(), "speculative_config": SPEC, "cells": results}
+    report = {"machine": machine_info(), "speculative_config": args.spec, "cells": results}
     Path(args.out).write_text(json.dumps(report, indent=2))
     for c in results:
         print(f"{c['workload']:>8} c={c['concurrency']:>2}: off {c['off_tok_s']:.1f}  on "

@@ -58,6 +58,7 @@ TORCH_FREE = (
     "spec_decode/config.py",
     "spec_decode/ngram.py",
     "spec_decode/proposer.py",
+    "spec_decode/cost.py",
 )
 HEAVY = ("torch", "numpy")
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 # Drafts at every batch size and acceptance (no back-off): as many verification runs as
 # possible, batched and alone, for the identity checks.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2, "max_batch_size": 64, "min_acceptance_rate": 0.0}  # fmt: skip
+        "prompt_lookup_min": 2, "max_batch_size": 64, "adaptive": False}  # fmt: skip
 
 
 def _grounded(tokenizer, n: int) -> list[list[int]]:
@@ -100,6 +100,23 @@ def test_greedy_is_token_identical_batched_alone_and_on_prefix_hits(smol_path):
     stats = spec.core.proposer.stats
     assert stats.num_accepted_tokens > 100, stats  # the grounded prompts were sped up
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # and some drafts failed
+    assert_no_leaks(spec)
+
+
+def test_the_adaptive_policy_prices_drafts_with_this_machines_steps(smol_path):
+    """With the default (adaptive) policy the engine times its steps by row count — decode
+    steps, prompt-sized prefill steps and the verification steps it drafts — and copy
+    prompts alone still draft; outputs stay identical to plain decoding."""
+    plain = _engine(smol_path, None)
+    reqs = _requests(plain.tokenizer)[:4]  # grounded
+    reference = _outputs(run_alone(plain, reqs), reqs)
+    spec = _engine(smol_path, {k: v for k, v in SPEC.items() if k != "adaptive"})
+    assert spec.core.proposer.config.adaptive
+    assert _outputs(run_alone(spec, reqs), reqs) == reference
+    rows = spec.core.proposer.cost.measured_rows
+    assert 1 in rows and max(rows) >= min(len(p) for _, p, _ in reqs) - 1
+    assert any(2 <= n <= 5 for n in rows)  # verification steps of 1 + k <= 4 drafts
+    assert spec.core.proposer.stats.num_accepted_tokens > 0
     assert_no_leaks(spec)
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 V, N, STEPS = 8, 10_000, 4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # the proposer drafts 3, 1, 2 ... from the start
 SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-        "max_batch_size": 100_000, "min_acceptance_rate": 0.0}  # fmt: skip
+        "max_batch_size": 100_000, "adaptive": False}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import pytest
 from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.spec_decode.config import SpeculativeConfig
+from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.ngram import propose
-from tinyserve.spec_decode.proposer import NgramProposer, acceptance_threshold
+from tinyserve.spec_decode.proposer import NgramProposer, best_draft_length, expected_tokens
 
 
 def reference(tokens, k, lo, hi):
@@ -110,15 +111,96 @@ def test_low_acceptance_backs_off_then_probes():
     assert p.stats.accepted_per_pos == [2, 2, 2, 2]
 
 
-def test_the_acceptance_bar_rises_with_the_batch():
-    assert acceptance_threshold(0.2, 1) == pytest.approx(0.2)
-    assert acceptance_threshold(0.2, 4) == pytest.approx(0.5)
-    assert acceptance_threshold(0.2, 8) == pytest.approx(2 / 3)
-    assert acceptance_threshold(0.0, 8) == 0.0 and acceptance_threshold(1.0, 8) == 1.0
-    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.2))
-    req = _request([1, 2, 3, 4, 5, 6, 1, 2])
-    p.record("r", 4, 2)  # acceptance average 0.75
-    p.record("r", 4, 1)  # 0.5
-    assert p.drafts(req, 100, num_running=1) == [3, 4, 5, 6]  # 0.5 >= 0.2
-    assert p.drafts(req, 100, num_running=3) == [3, 4, 5, 6]  # 0.5 >= 0.43
-    assert p.drafts(req, 100, num_running=8) == []  # 0.5 < 0.67: backs off
+def _measured(cost_of) -> StepCostModel:
+    """A cost model that has seen steps of 1..64 rows cost ``cost_of(n)`` seconds."""
+    model = StepCostModel()
+    for n in range(1, 65):
+        model.observe(n, cost_of(n))
+    return model
+
+
+def _best_by_enumeration(cost_of, rows, tokens, p, max_k):
+    """Brute force: expected tokens of k drafts by summing over every accept/reject outcome,
+    the rate of each k, the best strictly above k = 0."""
+    rates = []
+    for k in range(max_k + 1):
+        # P(exactly j accepted) = p^j (1 - p) for j < k, p^k for j = k.
+        gain = sum(j * p**j * (1 - p) for j in range(k)) + k * p**k
+        rates.append((tokens + gain) / cost_of(rows + k))
+    best = max(range(max_k + 1), key=lambda k: (rates[k], -k))
+    return best if rates[best] > rates[0] else 0
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.5, 0.75, 0.9, 0.97, 1.0])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+def test_the_draft_length_maximises_expected_tokens_per_second(p, rows):
+    curves = {
+        "weight-bound": lambda n: 10.0 + 0.5 * (n - 1),  # rows nearly free
+        "zen1": lambda n: 17.0 + 5.0 * (n - 1),  # ~0.3 of a one-row step per row
+        "compute-bound": lambda n: 10.0 * n,  # every row as dear as the first
+    }
+    for cost_of in curves.values():
+        model = _measured(cost_of)
+        k, gain = best_draft_length(model, rows, float(rows), p, 8)
+        assert k == _best_by_enumeration(cost_of, rows, float(rows), p, 8)
+        assert gain == pytest.approx(expected_tokens(p, k))
+    assert best_draft_length(_measured(curves["compute-bound"]), rows, rows, p, 8)[0] == 0
+
+
+def test_drafts_shrink_as_the_batch_grows_and_the_acceptance_falls():
+    model = _measured(lambda n: 17.0 + 5.0 * (n - 1))  # 2 Zen 1 cores, served (~2026-12-02)
+    assert best_draft_length(model, 1, 1, 0.9, 8)[0] >= 4  # alone: most of the proposal
+    assert best_draft_length(model, 1, 1, 0.4, 8)[0] >= 1  # alone, middling acceptance
+    assert best_draft_length(model, 8, 8, 0.5, 8)[0] == 0  # 8 running: not at 0.5
+    assert (
+        1 <= best_draft_length(model, 8, 8, 0.9, 8)[0] < best_draft_length(model, 1, 1, 0.9, 8)[0]
+    )
+    assert best_draft_length(model, 1, 1, 0.2, 8)[0] == 0
+
+
+def test_the_proposer_prices_drafts_with_the_measured_steps():
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    cheap = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    dear = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    for n in range(1, 64):
+        cheap.observe_step(n, 0.010 + 0.0005 * n)
+        dear.observe_step(n, 0.010 * n)
+    assert cheap.drafts(_request(tokens), 100, 1) == [3, 4, 5, 6]
+    assert dear.drafts(_request(tokens), 100, 1) == []  # a row costs a step: never pays
+    # The step's earlier drafts make it dearer for the requests after them.
+    mid = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    for n in range(1, 64):
+        mid.observe_step(n, 0.017 + 0.005 * (n - 1))
+    mid.begin_step(rows=4, tokens=4)
+    firsts = [len(mid.drafts(_request(tokens), 100, 4)) for _ in range(4)]
+    assert firsts[0] >= 1 and firsts == sorted(firsts, reverse=True)
+    mid.begin_step(rows=4, tokens=4)  # a new step starts afresh
+    assert len(mid.drafts(_request(tokens), 100, 4)) == firsts[0]
+
+
+def test_adaptive_off_drafts_every_proposal_in_full():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, adaptive=False))
+    for n in range(1, 64):
+        p.observe_step(n, 0.010 * n)
+    for _ in range(5):
+        p.record("r", 4, 0)
+    assert p.drafts(_request([1, 2, 3, 4, 5, 6, 1, 2]), 100, 1) == [3, 4, 5, 6]
+
+
+def test_step_costs_average_interpolate_and_extrapolate():
+    m = StepCostModel(prior_row_cost=0.5)
+    assert m.estimate(1) == 1.0 and m.estimate(3) == 2.0  # the prior, in one-row steps
+    m.observe(1, 0.020)
+    assert m.estimate(1) == 0.020
+    assert m.estimate(5) == pytest.approx(0.020 + 4 * 0.010)  # above: the prior per row
+    m.observe(1, 0.040)
+    assert m.estimate(1) == pytest.approx(0.025)  # an exponential average
+    m.observe(101, 1.025)
+    assert m.estimate(51) == pytest.approx(0.525)  # between: linear
+    assert m.estimate(201) == pytest.approx(1.025 + 100 * 0.0125)
+    m = StepCostModel(prior_row_cost=0.5)
+    m.observe(4, 0.050)
+    assert m.estimate(2) == pytest.approx(0.050 * 1.5 / 2.5)  # below: the prior's shape
+    m.observe(0, 1.0)
+    m.observe(2, 0.0)
+    assert m.estimate(2) == pytest.approx(0.030)  # empty or instant steps are ignored

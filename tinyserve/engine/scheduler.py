@@ -86,6 +86,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
+        if self.proposer is not None:
+            self._begin_speculative_step(budget)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -163,6 +165,16 @@ class Scheduler:
         if self.proposer is None or num_new != 1 or request.num_output_tokens == 0:
             return []
         return self.proposer.drafts(request, budget, len(self.running))
+
+    def _begin_speculative_step(self, budget: int) -> None:
+        """Tell the proposer the step's rows and tokens before drafts: the running
+        requests' tokens to compute (within the budget), one token per decoding request."""
+        rows = tokens = 0
+        for request in self.running:
+            left = request.num_tokens - request.num_computed_tokens
+            rows += left
+            tokens += left == 1
+        self.proposer.begin_step(min(rows, budget), tokens)
 
     def _verified(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
         """Rejected drafts' K/V is not kept: the computed count moves back over them."""

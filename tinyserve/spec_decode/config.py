@@ -2,8 +2,8 @@
 
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 "prompt_lookup_min": 2}``, as JSON text (the CLI) or a dict (``LLM(speculative_config=...)``).
-The adaptive policy's knobs (ours, not vLLM's) are ``max_batch_size`` and
-``min_acceptance_rate``.
+The adaptive policy's knobs (ours, not vLLM's; spec_decode/proposer.py) are
+``max_batch_size``, ``min_acceptance_rate`` and ``adaptive``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Adaptive policy (spec_decode/proposer.py): no drafts in a step with more running
-    # requests than this, and none for a request whose recent acceptance fell below this
-    # (alone; the bar rises with the number of running requests).
+    # requests than this, none for a request whose acceptance estimate is below this (a
+    # floor; the measured step costs decide above it), and with adaptive off every
+    # proposal is drafted in full.
     max_batch_size: int = 8
-    min_acceptance_rate: float = 0.2
+    min_acceptance_rate: float = 0.0
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -43,8 +45,11 @@ class SpeculativeConfig:
             raise ValueError(f"{_FIELD}: num_speculative_tokens must be <= 16")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"{_FIELD}: max_batch_size must be an integer >= 1")
-        if not 0.0 <= float(self.min_acceptance_rate) <= 1.0:
-            raise ValueError(f"{_FIELD}: min_acceptance_rate must be in [0, 1]")
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{_FIELD}: min_acceptance_rate must be a number in [0, 1]")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"{_FIELD}: adaptive must be true or false, got {self.adaptive!r}")
 
     @classmethod
     def parse(

@@ -1,21 +1,28 @@
 """The scheduler's side of speculative decoding: which decoding requests get drafts this
 step, how many, and the acceptance counters. Torch-free.
 
-Adaptive policy (measured in benchmarks/README.md, "Speculative decoding"): a verification
-row of 1+k tokens costs the CPU kernels about (1+k) times the matmul work of one decode
-row once the step is compute-bound, so drafts pay only while the step is bound by reading
-the weights, i.e. at small batches, and only when they are accepted. So:
+Adaptive policy (measured in benchmarks/README.md, "Speculative decoding"): a step's price
+per token decides. Each draft row costs what the step's measured cost curve says
+(spec_decode/cost.py: the engine times every step by its row count), and is worth the
+tokens it is expected to add: with a request's per-token acceptance ``p`` (an exponentially
+decayed count of accepted drafts against rejections), ``k`` drafts add
+``p + p^2 + ... + p^k`` tokens on average. The scheduler opens a step with its rows and
+tokens before drafts (``begin_step``); each decoding request, in order, then gets the
+``k`` (up to its proposal's length) that maximises the step's expected tokens per second,
+and none when no ``k`` beats the step without them (vLLM's goodput idea, SmartSpec). So:
 
-* no drafts in a step with more than ``max_batch_size`` running requests;
-* a request whose acceptance rate (an exponential average over its drafted steps) falls
-  below the step's threshold stops drafting, and probes again every ``_PROBE_EVERY``
-  steps (its text may turn repetitive later). The threshold rises with the batch: a draft
-  row costs about ``r`` of a one-row step (``r`` = ``min_acceptance_rate``, ~0.2 on 2 Zen 1
-  cores: benchmarks/README.md, "Few-row kernels"), a step of B rows ~``1 + (B - 1) r``, so
-  an accepted draft — one token at the step's price per token — pays for its row only
-  while acceptance >= ``r B / (1 + (B - 1) r)``: 0.2 alone, 0.5 at 4, 0.67 at 8 running;
+* one stream on a machine where a row is cheap drafts the whole proposal; as the batch
+  grows, each draft row is a smaller share of a dearer step and drafts need higher
+  acceptance (on 2 Zen 1 cores ~0.3 alone, ~0.8 at 8 running), and on a compute-bound
+  machine (each row as dear as the first) none pays at all;
+* no drafts in a step with more than ``max_batch_size`` running requests, nor for a
+  request whose acceptance is below ``min_acceptance_rate``;
+* a request that made no drafts for ``_PROBE_EVERY`` steps probes with up to
+  ``_PROBE_TOKENS`` drafts (its text may turn repetitive later);
 * the draft never reaches past the request's ``max_tokens`` or the context window, and
   never past the step's token budget.
+
+``adaptive: false`` drafts every proposal in full (tests, and measuring the policy).
 
 Constrained (grammar) requests draft too: each verified position gets the grammar's mask
 after the drafts before it (engine/structured_output.py).
@@ -27,10 +34,15 @@ from dataclasses import dataclass, field
 
 from tinyserve.request import Request
 from tinyserve.spec_decode.config import SpeculativeConfig
+from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.ngram import propose
 
-_EMA = 0.5  # weight of the newest step in a request's acceptance average
+_DECAY = 0.6  # per verification, the weight of a request's older acceptance evidence
+# A new request's acceptance before its first verification: hopeful (1.8 of 2 pseudo-drafts
+# accepted), so that it drafts and is measured; two full rejections bring it below 0.3.
+_PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.8, 0.2
 _PROBE_EVERY = 8
+_PROBE_TOKENS = 2
 
 
 @dataclass
@@ -45,33 +57,60 @@ class SpecDecodeStats:
 
 @dataclass
 class _RequestState:
-    acceptance: float = 1.0
+    accepted: float = _PRIOR_ACCEPTED
+    rejected: float = _PRIOR_REJECTED
     steps_since_draft: int = 0
 
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that the next draft token is accepted."""
+        return self.accepted / (self.accepted + self.rejected)
 
-def acceptance_threshold(rate: float, num_running: int) -> float:
-    """The acceptance a request needs to draft in a step with ``num_running`` requests."""
-    b = max(1, num_running)
-    return rate * b / (1 + (b - 1) * rate)
+
+def expected_tokens(p: float, k: int) -> float:
+    """Accepted drafts of ``k`` on average when each is accepted with probability ``p``
+    given the ones before it were: ``p + p^2 + ... + p^k``."""
+    return p * (1 - p**k) / (1 - p) if p < 1.0 else float(k)
+
+
+def best_draft_length(
+    cost: StepCostModel, rows: int, tokens: float, p: float, max_k: int
+) -> tuple[int, float]:
+    """The ``k`` in ``0..max_k`` that maximises expected tokens per second of a step that
+    had ``rows`` rows and ``tokens`` expected tokens before this request's drafts, and the
+    tokens they add. ``k = 0`` unless some ``k`` strictly beats the step without drafts."""
+    base_cost = cost.estimate(rows)
+    best_k, best_gain, best_rate = 0, 0.0, tokens / base_cost
+    for k in range(1, max_k + 1):
+        gain = expected_tokens(p, k)
+        rate = (tokens + gain) / max(cost.estimate(rows + k), base_cost)
+        if rate > best_rate:
+            best_k, best_gain, best_rate = k, gain, rate
+    return best_k, best_gain
 
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.cost = StepCostModel()
         self._state: dict[str, _RequestState] = {}
+        self._step: list[float] | None = None  # [rows, expected tokens] of the step so far
+
+    def begin_step(self, rows: int, tokens: int) -> None:
+        """The step being scheduled has ``rows`` rows yielding ``tokens`` tokens before any
+        drafts; each request's drafts (``drafts``) are added to it in turn."""
+        self._step = [rows, tokens]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """The engine ran a step of ``rows`` scheduled tokens in ``seconds``."""
+        self.cost.observe(rows, seconds)
 
     def drafts(self, request: Request, budget: int, num_running: int) -> list[int]:
         """Draft tokens for a decoding request (one token to compute), or []."""
         cfg = self.config
         if num_running > cfg.max_batch_size:
             return []
-        state = self._state.setdefault(request.request_id, _RequestState())
-        if state.acceptance < acceptance_threshold(cfg.min_acceptance_rate, num_running):
-            state.steps_since_draft += 1
-            if state.steps_since_draft < _PROBE_EVERY:
-                return []
-            state.steps_since_draft = 0  # probe now, then wait again
         k = min(
             cfg.num_speculative_tokens,
             budget - 1,
@@ -80,7 +119,26 @@ class NgramProposer:
         )
         if k < 1:
             return []
-        return propose(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        proposal = propose(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if not proposal or not cfg.adaptive:
+            return proposal
+        state = self._state.setdefault(request.request_id, _RequestState())
+        # Outside a scheduled step (no begin_step): a step of the running requests alone.
+        step = self._step if self._step is not None else [num_running, num_running]
+        rows, tokens = step
+        p = state.acceptance
+        k, gain = 0, 0.0
+        if p >= cfg.min_acceptance_rate:
+            k, gain = best_draft_length(self.cost, int(rows), tokens, p, len(proposal))
+        if k == 0:
+            state.steps_since_draft += 1
+            if state.steps_since_draft < _PROBE_EVERY:
+                return []
+            k = min(len(proposal), _PROBE_TOKENS)  # probe now, then wait again
+            gain = expected_tokens(p, k)
+        state.steps_since_draft = 0
+        step[0], step[1] = rows + k, tokens + gain
+        return proposal[:k]
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """After verification: ``num_accepted`` of ``num_drafted`` drafts were kept."""
@@ -91,7 +149,9 @@ class NgramProposer:
         for pos in range(num_accepted):
             s.accepted_per_pos[pos] += 1
         state = self._state.setdefault(request_id, _RequestState())
-        state.acceptance = (1 - _EMA) * state.acceptance + _EMA * (num_accepted / num_drafted)
+        rejected = 1.0 if num_accepted < num_drafted else 0.0
+        state.accepted = _DECAY * state.accepted + num_accepted
+        state.rejected = _DECAY * state.rejected + rejected
         state.steps_since_draft = 0
 
     def forget(self, request_id: str) -> None:

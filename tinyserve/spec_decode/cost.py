@@ -1,0 +1,70 @@
+"""What a step of n rows costs on this machine, measured while the engine runs. Torch-free.
+
+Speculation pays only while a verification row costs less than the tokens it may save, and
+that price is a property of the hardware and the kernels, not a constant: on 2 Zen 1 cores
+with the grouped Q4_1 kernels one decode row costs ~13 ms of matmuls and each further row
+~4-5 ms (benchmarks/README.md, "Grouped kernel layout"); a machine that is bound by reading
+the weights pays much less per row, a compute-bound one more. So the engine times every
+step (``observe``) and the proposer asks ``estimate(n)`` for the row counts it considers.
+
+Estimates: an exponential average per measured row count; between two measured counts,
+linear interpolation; above the largest (or with one count only), the largest count's
+cost plus ``prior_row_cost`` of a one-row step per extra row; below the smallest, the
+smallest's cost scaled down by the prior. Before any step is measured the estimate is the prior in units of a one-row step.
+Decode steps measure 1..B rows and prefill chunks hundreds, so a verification step's
+count is usually bracketed, and every step it then runs measures it.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+_EMA = 0.25  # weight of the newest step of a row count
+# A draft row's cost relative to a one-row step before anything is measured: 0.35 is about
+# what the grouped kernels' 2-8 rows cost here (bench_kernels, 2026-12-02).
+PRIOR_ROW_COST = 0.35
+
+
+class StepCostModel:
+    def __init__(self, prior_row_cost: float = PRIOR_ROW_COST) -> None:
+        self.prior_row_cost = prior_row_cost
+        self._seconds: dict[int, float] = {}
+        self._rows: list[int] = []  # measured row counts, sorted
+
+    @property
+    def measured_rows(self) -> tuple[int, ...]:
+        return tuple(self._rows)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` scheduled tokens took ``seconds``."""
+        if rows < 1 or not seconds > 0.0:
+            return
+        old = self._seconds.get(rows)
+        if old is None:
+            bisect.insort(self._rows, rows)
+            self._seconds[rows] = seconds
+        else:
+            self._seconds[rows] = (1 - _EMA) * old + _EMA * seconds
+
+    def _prior(self, n: int) -> float:
+        return 1.0 + self.prior_row_cost * (n - 1)
+
+    def estimate(self, n: int) -> float:
+        """Seconds for a step of ``n`` rows (relative units while nothing is measured)."""
+        if (hit := self._seconds.get(n)) is not None:
+            return hit
+        rows = self._rows
+        if not rows:
+            return self._prior(n)
+        i = bisect.bisect_left(rows, n)
+        if i == 0:  # below every measured count
+            lo = rows[0]
+            return self._seconds[lo] * self._prior(n) / self._prior(lo)
+        lo = rows[i - 1]
+        if i == len(rows):  # above every measured count
+            first = rows[0]
+            per_row = self.prior_row_cost * self._seconds[first] / self._prior(first)
+            return self._seconds[lo] + per_row * (n - lo)
+        hi = rows[i]
+        c_lo, c_hi = self._seconds[lo], self._seconds[hi]
+        return c_lo + (c_hi - c_lo) * (n - lo) / (hi - lo)

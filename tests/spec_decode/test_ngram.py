@@ -104,6 +104,10 @@ def test_low_acceptance_backs_off_then_probes():
     assert p.drafts(req, 100, 1) == []  # backed off
     drafted = [bool(p.drafts(req, 100, 1)) for _ in range(8)]
     assert drafted.count(True) == 1  # probes once in a while
+    probe = next(d for d in (p.drafts(req, 100, 1) for _ in range(8)) if d)
+    assert probe == [3, 4]  # and briefly
+    drafted = [bool(p.drafts(req, 100, 3)) for _ in range(48)]
+    assert drafted.count(True) == 2  # more rarely in a bigger batch: every 8 x 3 steps
     assert p.stats.num_drafts == 3 and p.stats.num_accepted_tokens == 0
     p.record("r", 4, 4)
     p.record("r", 4, 4)

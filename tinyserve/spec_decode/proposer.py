@@ -17,8 +17,8 @@ and none when no ``k`` beats the step without them (vLLM's goodput idea, SmartSp
   machine (each row as dear as the first) none pays at all;
 * no drafts in a step with more than ``max_batch_size`` running requests, nor for a
   request whose acceptance is below ``min_acceptance_rate``;
-* a request that made no drafts for ``_PROBE_EVERY`` steps probes with up to
-  ``_PROBE_TOKENS`` drafts (its text may turn repetitive later);
+* a request that made no drafts for ``_PROBE_EVERY`` steps (times the number running)
+  probes with up to ``_PROBE_TOKENS`` drafts (its text may turn repetitive later);
 * the draft never reaches past the request's ``max_tokens`` or the context window, and
   never past the step's token budget.
 
@@ -131,8 +131,10 @@ class NgramProposer:
         if p >= cfg.min_acceptance_rate:
             k, gain = best_draft_length(self.cost, int(rows), tokens, p, len(proposal))
         if k == 0:
+            # Probing costs the same rows in a bigger step but is a smaller share of it:
+            # probe every _PROBE_EVERY steps alone, _PROBE_EVERY * B with B running.
             state.steps_since_draft += 1
-            if state.steps_since_draft < _PROBE_EVERY:
+            if state.steps_since_draft < _PROBE_EVERY * max(1, num_running):
                 return []
             k = min(len(proposal), _PROBE_TOKENS)  # probe now, then wait again
             gain = expected_tokens(p, k)

@@ -84,8 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_speculative_config,
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(n-gram prompt lookup; lossless; off above max_batch_size running requests, "
-        "default 8)",
+        "(n-gram prompt lookup; lossless; drafts priced by this machine's measured step "
+        "costs, none above max_batch_size running requests, default 8)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

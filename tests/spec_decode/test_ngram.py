@@ -8,6 +8,7 @@ import pytest
 
 from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.spec_decode import proposer as proposer_module
 from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.ngram import propose
@@ -76,6 +77,13 @@ def test_vllm_json_parses():
     assert SpeculativeConfig.parse(None) is None
 
 
+def _decoding(tokens):
+    """A request with everything but its last token computed: one row to decode."""
+    req = _request(tokens)
+    req.num_computed_tokens = req.num_tokens - 1
+    return req
+
+
 def _request(tokens, max_tokens=100, max_model_len=1000):
     req = Request(
         "r", tokens[:2], SamplingParams(max_tokens=max_tokens), max_model_len=max_model_len
@@ -96,14 +104,17 @@ def test_drafts_respect_max_tokens_context_budget_and_batch_size():
     assert p.drafts(_request(tokens), budget=100, num_running=5) == []
 
 
-def test_low_acceptance_backs_off_then_probes():
+def test_low_acceptance_backs_off_then_probes(monkeypatch):
     p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.3))
     req = _request([1, 2, 3, 4, 5, 6, 1, 2])
     for _ in range(3):
         p.record("r", 4, 0)
+    searches = []
+    monkeypatch.setattr(proposer_module, "propose", lambda *a: searches.append(a) or propose(*a))
     assert p.drafts(req, 100, 1) == []  # backed off
+    assert searches == []  # without the n-gram search
     drafted = [bool(p.drafts(req, 100, 1)) for _ in range(8)]
-    assert drafted.count(True) == 1  # probes once in a while
+    assert drafted.count(True) == 1 and len(searches) == 1  # probes once in a while
     probe = next(d for d in (p.drafts(req, 100, 1) for _ in range(8)) if d)
     assert probe == [3, 4]  # and briefly
     drafted = [bool(p.drafts(req, 100, 3)) for _ in range(48)]
@@ -175,11 +186,21 @@ def test_the_proposer_prices_drafts_with_the_measured_steps():
     mid = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
     for n in range(1, 64):
         mid.observe_step(n, 0.017 + 0.005 * (n - 1))
-    mid.begin_step(rows=4, tokens=4)
-    firsts = [len(mid.drafts(_request(tokens), 100, 4)) for _ in range(4)]
+    running = [_decoding(tokens) for _ in range(4)]
+    mid.begin_step(running, budget=100)
+    firsts = [len(mid.drafts(req, 100, 4)) for req in running]
     assert firsts[0] >= 1 and firsts == sorted(firsts, reverse=True)
-    mid.begin_step(rows=4, tokens=4)  # a new step starts afresh
-    assert len(mid.drafts(_request(tokens), 100, 4)) == firsts[0]
+    assert firsts[-1] < 4  # the fourth request's drafts cost more than they would alone
+    mid.begin_step(running, budget=100)  # a new step starts afresh
+    assert len(mid.drafts(running[0], 100, 4)) == firsts[0]
+    # A prompt chunk in the step counts its rows: the step is dear, a decoding request's
+    # drafts a small share of it, so at middling acceptance all of them pay, not just one.
+    mid.record("r", 4, 0)  # acceptance ~0.49
+    mid.begin_step([running[0]], budget=512)
+    assert len(mid.drafts(running[0], 512, 1)) == 1
+    prefill = _request(list(range(10, 310)))
+    mid.begin_step([running[0], prefill], budget=512)
+    assert len(mid.drafts(running[0], 512, 2)) == 4
 
 
 def test_adaptive_off_drafts_every_proposal_in_full():

@@ -90,3 +90,17 @@ def test_drafts_fit_the_budget_and_max_tokens():
     assert out.scheduled[0].spec_token_ids == [13]  # 1 output so far, room for 1 + bonus
     sched.update_from_output(out, ModelRunnerOutput({"a": [13, 14]}))
     assert req.status == RequestStatus.FINISHED_LENGTH and req.num_output_tokens == 3
+
+
+def test_each_step_is_timed_by_its_rows_unless_it_failed():
+    sched = _scheduler()
+    req = _prefilled(sched, _request())
+    assert sched.proposer.cost.measured_rows == (len(PROMPT),)  # the prefill step
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput({"a": [13, 99]}))
+    assert sched.proposer.cost.measured_rows == (5, len(PROMPT))  # 1 + 4 drafts
+    out = sched.schedule()
+    # A failed step: the engine finishes its requests before the update; nothing is timed.
+    sched.finish_request("a", RequestStatus.FINISHED_ERROR)
+    sched.update_from_output(out, ModelRunnerOutput())
+    assert sched.proposer.cost.measured_rows == (5, len(PROMPT)) and req.is_finished

@@ -7,7 +7,6 @@ from a failed forward live in ``_check_health`` and ``_execute``, around the ste
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 from tinyserve.config import SchedulerConfig
@@ -72,7 +71,6 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutput:
         self._check_health()
-        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self.num_steps += 1
         if self.view.records is not None:  # watched (engine_view.py); else no extra work
@@ -81,10 +79,6 @@ class EngineCore:
             self.structured.fill_bitmask(scheduler_output)
         runner_output, failed = self._execute(scheduler_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.proposer is not None and not failed and scheduler_output.scheduled:
-            # The speculation policy's step costs (spec_decode/cost.py), by row count.
-            rows = sum(item.num_new_tokens for item in scheduler_output.scheduled)
-            self.proposer.observe_step(rows, time.perf_counter() - start)
         return EngineCoreOutput(failed + changed, runner_output)
 
     def _check_health(self) -> None:

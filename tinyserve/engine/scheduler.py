@@ -12,6 +12,7 @@ preempted.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from tinyserve.config import SchedulerConfig
@@ -41,6 +42,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         # Speculative decoding (spec_decode/proposer.py): drafts for decoding requests.
         self.proposer = proposer
+        self._step_started = 0.0  # perf_counter at the last schedule(), with a proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Every unfinished request, waiting or running.
@@ -87,7 +89,8 @@ class Scheduler:
         preempted: list[str] = []
 
         if self.proposer is not None:
-            self._begin_speculative_step(budget)
+            self._step_started = time.perf_counter()
+            self.proposer.begin_step(self.running, budget)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -136,10 +139,12 @@ class Scheduler:
         """
         changed = self._failed_in_schedule
         self._failed_in_schedule = []
+        ran = False  # a failed step's requests are all finished before this: nothing ran
         for item in scheduler_output.scheduled:
             request = item.request
             if self.requests.get(request.request_id) is not request or request.is_finished:
                 continue
+            ran = True
             done = request.num_computed_tokens
             self.prompt_tokens_total += max(
                 0, min(done + item.num_new_tokens, request.num_prompt_tokens) - done
@@ -156,6 +161,10 @@ class Scheduler:
             if item.spec_token_ids and not request.is_finished:
                 self.kv_cache_manager.trim(request)
             changed.append(request)
+        if self.proposer is not None and ran:
+            # The speculation policy's step costs (spec_decode/cost.py): schedule to here.
+            elapsed = time.perf_counter() - self._step_started
+            self.proposer.observe_step(scheduler_output.num_batched_tokens, elapsed)
         return changed
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
@@ -165,16 +174,6 @@ class Scheduler:
         if self.proposer is None or num_new != 1 or request.num_output_tokens == 0:
             return []
         return self.proposer.drafts(request, budget, len(self.running))
-
-    def _begin_speculative_step(self, budget: int) -> None:
-        """Tell the proposer the step's rows and tokens before drafts: the running
-        requests' tokens to compute (within the budget), one token per decoding request."""
-        rows = tokens = 0
-        for request in self.running:
-            left = request.num_tokens - request.num_computed_tokens
-            rows += left
-            tokens += left == 1
-        self.proposer.begin_step(min(rows, budget), tokens)
 
     def _verified(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
         """Rejected drafts' K/V is not kept: the computed count moves back over them."""

@@ -10,7 +10,8 @@ step (``observe``) and the proposer asks ``estimate(n)`` for the row counts it c
 Estimates: an exponential average per measured row count; between two measured counts,
 linear interpolation; above the largest (or with one count only), the largest count's
 cost plus ``prior_row_cost`` of a one-row step per extra row; below the smallest, the
-smallest's cost scaled down by the prior. Before any step is measured the estimate is the prior in units of a one-row step.
+smallest's cost scaled down by the prior. Before any step is measured the estimate is the
+prior in units of a one-row step.
 Decode steps measure 1..B rows and prefill chunks hundreds, so a verification step's
 count is usually bracketed, and every step it then runs measures it.
 """

@@ -97,10 +97,19 @@ class NgramProposer:
         self._state: dict[str, _RequestState] = {}
         self._step: list[float] | None = None  # [rows, expected tokens] of the step so far
 
-    def begin_step(self, rows: int, tokens: int) -> None:
-        """The step being scheduled has ``rows`` rows yielding ``tokens`` tokens before any
-        drafts; each request's drafts (``drafts``) are added to it in turn."""
-        self._step = [rows, tokens]
+    def begin_step(self, running: list[Request], budget: int) -> None:
+        """A step is being scheduled for ``running``: its rows before drafts are their
+        tokens to compute (within ``budget``), its tokens one per decoding request; each
+        request's drafts (``drafts``) are added to it in turn. Nothing to count in a step
+        too big to draft in."""
+        if len(running) > self.config.max_batch_size:
+            return
+        rows = tokens = 0
+        for request in running:
+            left = request.num_tokens - request.num_computed_tokens
+            rows += left
+            tokens += left == 1
+        self._step = [min(rows, budget), tokens]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """The engine ran a step of ``rows`` scheduled tokens in ``seconds``."""
@@ -119,28 +128,41 @@ class NgramProposer:
         )
         if k < 1:
             return []
-        proposal = propose(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        if not proposal or not cfg.adaptive:
-            return proposal
+        if not cfg.adaptive:
+            return self._propose(request, k)
         state = self._state.setdefault(request.request_id, _RequestState())
         # Outside a scheduled step (no begin_step): a step of the running requests alone.
         step = self._step if self._step is not None else [num_running, num_running]
         rows, tokens = step
         p = state.acceptance
-        k, gain = 0, 0.0
+        # Priced for the longest draft allowed first: if no length up to k pays, none of a
+        # shorter proposal does either, and the n-gram search is skipped.
+        best = 0
         if p >= cfg.min_acceptance_rate:
-            k, gain = best_draft_length(self.cost, int(rows), tokens, p, len(proposal))
-        if k == 0:
+            best = best_draft_length(self.cost, int(rows), tokens, p, k)[0]
+        if best == 0:
             # Probing costs the same rows in a bigger step but is a smaller share of it:
             # probe every _PROBE_EVERY steps alone, _PROBE_EVERY * B with B running.
             state.steps_since_draft += 1
             if state.steps_since_draft < _PROBE_EVERY * max(1, num_running):
                 return []
-            k = min(len(proposal), _PROBE_TOKENS)  # probe now, then wait again
-            gain = expected_tokens(p, k)
+        proposal = self._propose(request, k)
+        if not proposal:
+            return []
+        if best == 0:
+            n = min(len(proposal), _PROBE_TOKENS)  # probe now, then wait again
+            gain = expected_tokens(p, n)
+        elif len(proposal) < best:
+            n, gain = best_draft_length(self.cost, int(rows), tokens, p, len(proposal))
+        else:
+            n, gain = best, expected_tokens(p, best)
         state.steps_since_draft = 0
-        step[0], step[1] = rows + k, tokens + gain
-        return proposal[:k]
+        step[0], step[1] = rows + n, tokens + gain
+        return proposal[:n]
+
+    def _propose(self, request: Request, k: int) -> list[int]:
+        cfg = self.config
+        return propose(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """After verification: ``num_accepted`` of ``num_drafted`` drafts were kept."""

@@ -14,10 +14,14 @@ Both versions of gemm.c / attention.c (and simd.h) are compiled here with the ke
 flags and timed alternately, min and median of --reps; outputs are compared bitwise (and, where
 the revisions sum in different orders, by their largest difference relative to the output).
 Each revision gets the weight layout its gemm.c reads (``gemm_layout()``: the grouped
-layout; revisions without it read the checkpoint's rows of blocks).
+layout, in groups of ``gemm_group_width()`` outputs; revisions without it read the
+checkpoint's rows of blocks). ``--baseline-isa`` / ``--isa`` build either side for another
+ISA level this CPU runs (e.g. ``--baseline-rev HEAD --baseline-isa avx2``: this tree's AVX2
+kernels against its AVX-512 ones).
 
-python benchmarks/bench_kernels.py [--baseline-rev HEAD~2] [--rows 1,2,3,4,5,6,8]
-    [--attention-rows 1,5,9] [--context 600] [--out benchmarks/results/kernels.json]
+python benchmarks/bench_kernels.py [--baseline-rev HEAD~2] [--baseline-isa avx2] [--isa LEVEL]
+    [--rows 1,2,3,4,5,6,8] [--attention-rows 1,5,9] [--context 600]
+    [--out benchmarks/results/kernels.json]
 """
 
 from __future__ import annotations
@@ -44,15 +48,15 @@ KDIR = "tinyserve/kernels"
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-def build(src_dir: Path, name: str, out_dir: Path) -> ctypes.CDLL:
-    so = out_dir / f"{src_dir.name}-{name}.so"
-    compile_source(src_dir / f"{name}.c", so)
+def build(src_dir: Path, name: str, out_dir: Path, level: str | None) -> ctypes.CDLL:
+    so = out_dir / f"{src_dir.name}-{name}-{level}.so"
+    compile_source(src_dir / f"{name}.c", so, level)
     return ctypes.CDLL(str(so))
 
 
 def sources_at(rev: str, dest: Path) -> Path:
     dest.mkdir(parents=True)
-    for name in ("gemm.c", "attention.c", "simd.h"):
+    for name in ("gemm.c", "qgemm.c", "attention.c", "simd.h"):
         text = subprocess.run(["git", "show", f"{rev}:{KDIR}/{name}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
         (dest / name).write_text(text)
@@ -76,18 +80,22 @@ def step_weights() -> list[gemm.PackedWeight]:
 
 
 def layout_of(lib: ctypes.CDLL) -> int:
-    """0: the checkpoint's rows of blocks (gemm.c before the grouped layout), 1: gemm.c's
-    groups of 8 outputs (PackedWeight.kernel)."""
-    return lib.gemm_layout() if hasattr(lib, "gemm_layout") else 0
+    """0: the checkpoint's rows of blocks (gemm.c before the grouped layout), else the width
+    of gemm.c's groups of outputs (8 before AVX-512 kernels; PackedWeight.kernel)."""
+    if not hasattr(lib, "gemm_layout"):
+        return 0
+    return lib.gemm_group_width() if hasattr(lib, "gemm_group_width") else 8
 
 
-def time_matmuls(libs, ws, m: int, reps: int) -> tuple[list[list[float]], bool, float]:
+def time_matmuls(libs, ws, m: int, reps: int, entry: str = "gemm"):
     """Times per library, whether the outputs are bitwise the same, and the largest
-    difference relative to the output's largest magnitude."""
-    fns = [f.gemm for f in libs]
+    difference relative to the output's largest magnitude. ``entry`` "qgemm": qgemm.c
+    (int8 activations), which reads the checkpoint's rows of blocks."""
+    fns = [getattr(f, entry) for f in libs]
     for f in fns:
         f.argtypes, f.restype = [I32, P, P, P, P, I64, P, I64, I64, I64, I32, I32], None
-    views = [[w.kernel if layout_of(lib) else w for w in ws] for lib in libs]
+    views = [[gemm.KernelWeight.of(w, layout_of(lib)) if entry == "gemm" and layout_of(lib)
+              else w for w in ws] for lib in libs]  # fmt: skip
     g = torch.Generator().manual_seed(m)
     xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
     outs = [[torch.empty(m, w.shape[0]) for w in ws] for _ in fns]
@@ -144,8 +152,11 @@ def summary(times: list[list[float]]) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--baseline-rev", default="HEAD~2")
+    p.add_argument("--baseline-isa", default=None, help="ISA level of the baseline build")
+    p.add_argument("--isa", default=None, help="ISA level of this tree's build")
     p.add_argument("--rows", default="1,2,3,4,5,6,8")
     p.add_argument("--attention-rows", default="1,5,9")
+    p.add_argument("--q8-rows", default="1,2", help="rows for qgemm.c ('' for none)")
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--out", default="benchmarks/results/kernels.json")
@@ -155,18 +166,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = sources_at(args.baseline_rev, Path(tmp) / "baseline")
         here = ROOT / KDIR
-        gemms = [build(base, "gemm", Path(tmp)), build(here, "gemm", Path(tmp))]
-        attns = [build(base, "attention", Path(tmp)), build(here, "attention", Path(tmp))]
+        lv = (args.baseline_isa or isa_level(), args.isa or isa_level())
+        gemms = [build(base, "gemm", Path(tmp), lv[0]), build(here, "gemm", Path(tmp), lv[1])]
+        qgemms = [build(base, "qgemm", Path(tmp), lv[0]), build(here, "qgemm", Path(tmp), lv[1])]
+        attns = [build(base, "attention", Path(tmp), lv[0]),
+                 build(here, "attention", Path(tmp), lv[1])]  # fmt: skip
         ws = step_weights()
-        result = {"baseline_rev": args.baseline_rev, "machine": machine_info(),
-                  "matmuls": [], "attention": []}  # fmt: skip
+        result = {"baseline_rev": args.baseline_rev, "baseline_isa": lv[0], "isa": lv[1],
+                  "machine": machine_info(),
+                  "matmuls": [], "q8_matmuls": [], "attention": []}  # fmt: skip
         print(f"{'':10} {'rows':>4} {'baseline min/med ms':>20} {'this tree':>16} {'ratio':>6}")
-        for m in [int(r) for r in args.rows.split(",")]:
-            times, same, rel = time_matmuls(gemms, ws, m, args.reps)
+        runs = [("matmuls", gemms, "gemm", r) for r in args.rows.split(",")]
+        runs += [("q8_matmuls", qgemms, "qgemm", r) for r in args.q8_rows.split(",") if r]
+        for what, libs, entry, rows in runs:
+            m = int(rows)
+            times, same, rel = time_matmuls(libs, ws, m, args.reps, entry)
             base_s, here_s = summary(times)
-            result["matmuls"].append({"rows": m, "baseline": base_s, "this": here_s,
-                                      "bitwise_same": same, "max_rel_diff": rel})  # fmt: skip
-            print(f"{'matmuls':10} {m:4d} {base_s['min_ms']:9.1f}/{base_s['median_ms']:<9.1f} "
+            result[what].append({"rows": m, "baseline": base_s, "this": here_s,
+                                 "bitwise_same": same, "max_rel_diff": rel})  # fmt: skip
+            print(f"{what:10} {m:4d} {base_s['min_ms']:9.1f}/{base_s['median_ms']:<9.1f} "
                   f"{here_s['min_ms']:7.1f}/{here_s['median_ms']:<7.1f} "
                   f"{base_s['min_ms'] / here_s['min_ms']:6.2f}"
                   f"{'' if same else f'  differ by {rel:.1e} of max'}")  # fmt: skip

@@ -7,7 +7,9 @@ rounding of the torch path."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,29 +82,49 @@ def test_take_rows_and_cat_rows_keep_rows_with_their_blocks():
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "int8"])
 @pytest.mark.parametrize("n", [8, 203])
-def test_kernel_layout_groups_outputs_by_eight(kind, n):
+@pytest.mark.parametrize("gw", [8, 16])
+def test_kernel_layout_groups_outputs_by_the_vector_width(kind, n, gw):
     """gemm.c's layout holds exactly the checkpoint's codes, scales and minima: every output
-    8g + c is lane c of group g, and the padding of the last group is zero."""
+    gw*g + c is lane c of group g (gw = 8 for AVX2, 16 for AVX-512), and the padding of the
+    last group is zero."""
     k = 96
     w = packed_weight(kind, n, k, seed=n)
-    kw = w.kernel
-    groups = (n + 7) // 8
-    assert kw.qs.shape[0] == groups and kw.qs.shape[-1] == 8 and kw.shape == w.shape
+    kw = gemm.KernelWeight.of(w, gw)
+    groups = (n + gw - 1) // gw
+    assert kw.qs.shape[0] == groups and kw.qs.shape[-1] == gw and kw.shape == w.shape
     for c in range(n):
-        g, lane = divmod(c, 8)
-        if kind == "q4_1":  # [G, K/32, 16, 8]: byte p of each block
+        g, lane = divmod(c, gw)
+        if kind == "q4_1":  # [G, K/32, 16, gw]: byte p of each block
             assert torch.equal(kw.qs[g, ..., lane], w.qs[c])
-        elif kind == "f32":  # [G, K, 8]
+        elif kind == "f32":  # [G, K, gw]
             assert torch.equal(kw.qs[g, :, lane], w.qs[c])
-        else:  # [G, K/32, 32, 8]
+        else:  # [G, K/32, 32, gw]
             assert torch.equal(kw.qs[g, ..., lane].reshape(k), w.qs[c])
         for name in ("d", "m"):
             a, b = getattr(w, name), getattr(kw, name)
             assert (a is None and b is None) or torch.equal(b[g, :, lane], a[c]), name
-    pad = groups * 8 - n
+    pad = groups * gw - n
     for t in (kw.qs, kw.d, kw.m):
         if t is not None and pad:
-            assert not t[-1, ..., 8 - pad :].any()
+            assert not t[-1, ..., gw - pad :].any()
+
+
+@needs_kernel
+def test_the_built_gemm_reads_its_own_group_width():
+    want = 16 if build.isa_level().startswith("avx512") else 8
+    assert gemm.group_width() == want
+    assert packed_weight("q4_1", 40, 64, seed=1).kernel.qs.shape[-1] == want
+
+
+def test_isa_level_can_be_lowered_by_name_but_not_raised(monkeypatch):
+    usable = build.usable_levels()
+    monkeypatch.setenv("TINYSERVE_CPU_ISA", "avx2")
+    assert build.isa_level() == ("avx2" if "avx2" in usable else (usable or [None])[0])
+    monkeypatch.setenv("TINYSERVE_CPU_ISA", "avx512_vnni")
+    assert build.isa_level() == (usable or [None])[0]  # the best there is, never more
+    monkeypatch.setenv("TINYSERVE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="TINYSERVE_CPU_ISA"):
+        build.isa_level()
 
 
 def test_packed_method_keeps_the_checkpoint_layout_only_for_int8_decode():
@@ -137,6 +159,48 @@ def test_every_kind_matches_the_reference_and_is_batch_invariant(kind):
             assert torch.equal(gemm.matmul(x[:rows], w, num_threads=threads), full[:rows])
     # A row's result does not depend on which rows come before it either.
     assert torch.equal(gemm.matmul(x[37:38], w), full[37:38])
+
+
+needs_two_levels = pytest.mark.skipif(
+    not gemm.available() or len(build.usable_levels()) < 2,
+    reason="needs a CPU with AVX-512 F/BW/VL/DQ besides AVX2 (and cc) to compare the builds",
+)
+
+
+def _built_at(tmp_path, name: str, level: str):
+    """kernels/<name>.c compiled for ISA ``level`` here, its entry point typed like gemm.py's."""
+    so = tmp_path / f"{name}-{level}.so"
+    build.compile_source(Path(gemm.__file__).with_name(f"{name}.c"), so, level)
+    lib = ctypes.CDLL(str(so))
+    fn = getattr(lib, name)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes, fn.restype = [i32, p, p, p, p, i64, p, i64, i64, i64, i32, i32], ctypes.c_int
+    return lib, fn
+
+
+@needs_two_levels
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "int8"])
+def test_every_isa_level_computes_the_same_bits(kind, tmp_path):
+    """The AVX2 build (8 lanes) and the AVX-512 builds (16 lanes, other tiles) do the same
+    float operations per output, so a server's logits do not depend on which of them this
+    CPU picked; qgemm.c's VNNI dot products give maddubs/madd's integers."""
+    n, k = 203, 320
+    w = packed_weight(kind, n, k, seed=11)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(12))
+    native = gemm.matmul(x, w, num_threads=2)
+    native_q8 = gemm.matmul_q8(x, w, num_threads=2) if kind != "f32" else None
+    for level in build.usable_levels():
+        lib, fn = _built_at(tmp_path, "gemm", level)
+        kw = gemm.KernelWeight.of(w, lib.gemm_group_width())
+        assert kw.qs.shape[-1] == (16 if level.startswith("avx512") else 8)
+        qfn = _built_at(tmp_path, "qgemm", level)[1] if native_q8 is not None else None
+        for rows in (1, 2, 3, 5, 7, 8, 9, 33, 70):
+            for threads in (1, 2):
+                got = gemm._run(fn, "matmul", x[:rows], kw, threads, None)
+                assert torch.equal(got, native[:rows]), (level, rows, threads)
+                if qfn is not None:
+                    got = gemm._run(qfn, "matmul_q8", x[:rows], w, threads, None)
+                    assert torch.equal(got, native_q8[:rows]), ("q8", level, rows, threads)
 
 
 needs_q8 = pytest.mark.skipif(

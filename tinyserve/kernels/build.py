@@ -24,18 +24,40 @@ from tinyserve.utils.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# ISA level -> (the /proc/cpuinfo flags it needs, compiler flags).
+_AVX2 = ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
+_AVX512 = (
+    _AVX2[0] | {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    _AVX2[1] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+)
+# ISA level -> (the /proc/cpuinfo flags it needs, compiler flags), best first. The sources
+# pick their code by the compiler's macros: gemm.c's 16-lane groups under __AVX512F__,
+# qgemm.c's dot products under __AVX512VNNI__; the rest is AVX2 code at every level.
 ISA_LEVELS = {
-    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+    "avx512_vnni": (_AVX512[0] | {"avx512_vnni"}, _AVX512[1] + ["-mavx512vnni"]),
+    "avx512": _AVX512,
+    "avx2": _AVX2,
 }
 
 
 def isa_level() -> str | None:
-    """The best ISA level this CPU supports that we have kernels for."""
-    for level, (needs, _) in ISA_LEVELS.items():
-        if needs <= cpu_flags():
-            return level
-    return None
+    """The best ISA level this CPU supports that we have kernels for, or the level named by
+    ``$TINYSERVE_CPU_ISA`` (to compare levels on one machine) when this CPU has it."""
+    usable = [level for level, (needs, _) in ISA_LEVELS.items() if needs <= cpu_flags()]
+    asked = os.environ.get("TINYSERVE_CPU_ISA")
+    if asked:
+        if asked not in ISA_LEVELS:
+            raise ValueError(f"TINYSERVE_CPU_ISA={asked!r}: not one of {', '.join(ISA_LEVELS)}")
+        if asked not in usable:
+            logger.warning("TINYSERVE_CPU_ISA=%s: this CPU lacks it; using %s", asked,
+                           usable[0] if usable else None)  # fmt: skip
+        else:
+            return asked
+    return usable[0] if usable else None
+
+
+def usable_levels() -> list[str]:
+    """Every ISA level this CPU runs (the tests compare the kernels across them)."""
+    return [level for level, (needs, _) in ISA_LEVELS.items() if needs <= cpu_flags()]
 
 
 def kernels_enabled() -> bool:
@@ -43,11 +65,11 @@ def kernels_enabled() -> bool:
     return env != "0"
 
 
-def compile_source(source: Path, so_path: Path) -> None:
+def compile_source(source: Path, so_path: Path, level: str | None = None) -> None:
     """Compile a kernel source (``#include "simd.h"`` from its own folder) into ``so_path``
-    with this CPU's ISA flags, as :func:`load` does (benchmarks/bench_kernels.py builds
-    another revision's kernels with it)."""
-    _compile(source, so_path, ISA_LEVELS[isa_level()][1])
+    with the flags of ISA ``level`` (default: this CPU's, as :func:`load` uses), so that
+    benchmarks/bench_kernels.py and the tests can build another revision or level beside it."""
+    _compile(source, so_path, ISA_LEVELS[level or isa_level()][1])
 
 
 def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
@@ -76,6 +98,7 @@ def load(name: str) -> ctypes.CDLL | None:
     if level is None:
         logger.info("CPU kernels off: this CPU lacks AVX2/FMA/F16C")
         return None
+    _log_level(level)
     source = Path(__file__).with_name(f"{name}.c")
     flags = ISA_LEVELS[level][1]
     shared = source.with_name("simd.h").read_bytes()  # included by every kernel
@@ -90,6 +113,11 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernel %s off (torch path instead): %s", name, e)
         return None
+
+
+@functools.cache
+def _log_level(level: str) -> None:
+    logger.info("CPU kernels built for %s", level)
 
 
 _threads: int | None = None  # set_kernel_threads(); None: every usable CPU

@@ -1,16 +1,18 @@
-// y[r, n] = sum_k W[n, k] * x[r, k] for any number of rows r. AVX2 + FMA, K % 32 == 0.
+// y[r, n] = sum_k W[n, k] * x[r, k] for any number of rows r. K % 32 == 0. Built for AVX2 +
+// FMA (GW = 8 lanes) or AVX-512 (GW = 16 lanes): the same source, the vector width from the
+// compiler flags (simd.h's vf), the same float operations per output on both.
 //
-// Weights in the kernel layout (gemm.py PackedWeight.kernel): the N outputs in groups of 8
-// (G = ceil(N / 8) groups, the last padded with zero weights), one vector lane per output
-// of a group, so every FMA serves 8 outputs and nothing is summed across lanes:
-//   kind 0  Q4_1 (GGUF): qs [G, K/32, 16, 8] bytes, byte (g, b, p, c) = code byte p of block
-//           b of output 8g+c (low nibble: the block's weight p, high: weight p + 16);
-//           d, m float32 [G, K/32, 8]: w = d * q + m
-//   kind 1  Q8_0 (GGUF) or int8 per channel: qs int8 [G, K/32, 32, 8]; d [G, K/32, 8]: w = d * q
-//   kind 2  float32: qs [G, K, 8] (a dense weight, for the batch-invariant path)
+// Weights in the kernel layout (gemm.py PackedWeight.kernel): the N outputs in groups of GW
+// (G = ceil(N / GW) groups, the last padded with zero weights), one vector lane per output
+// of a group, so every FMA serves GW outputs and nothing is summed across lanes:
+//   kind 0  Q4_1 (GGUF): qs [G, K/32, 16, GW] bytes, byte (g, b, p, c) = code byte p of block
+//           b of output GW*g+c (low nibble: the block's weight p, high: weight p + 16);
+//           d, m float32 [G, K/32, GW]: w = d * q + m
+//   kind 1  Q8_0 (GGUF) or int8 per channel: qs int8 [G, K/32, 32, GW]; d [G, K/32, GW]: w = d * q
+//   kind 2  float32: qs [G, K, GW] (a dense weight, for the batch-invariant path)
 //
 // Batch invariance is the contract: every y[r, n] is this sequence of float operations,
-// whatever M, the tiling and the thread count:
+// whatever M, the tiling, the thread count and the vector width:
 //   kind 0  T = 0; per block b in order: S = 0; for p = 0..15: S = fma(q_p, x_p, S),
 //           S = fma(q_{p+16}, x_{p+16}, S); then T = fma(d_b, S, T), T = fma(m_b, sx_b, T)
 //           (sx_b: the block's sum of x, block_sum's fixed order); y = T
@@ -24,6 +26,7 @@
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
 
+
 typedef struct {
     int kind;
     const void *qs;
@@ -31,8 +34,10 @@ typedef struct {
     int64_t K, N, nb;
 } weight_t;
 
-// The layout this file reads (bench_kernels.py asks, to time older revisions beside it).
+// The layout this file reads (bench_kernels.py asks, to time older revisions beside it), and
+// its group width (gemm.py builds the weights to match).
 int gemm_layout(void) { return 1; }
+int gemm_group_width(void) { return GW; }
 
 INLINE float block_sum(const float *x) {
     __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
@@ -41,40 +46,50 @@ INLINE float block_sum(const float *x) {
 }
 
 // Step p (0..15) of block b of group g, Q4_1: the codes of weights p (lo) and p + 16 (hi).
-INLINE void q4_codes(const weight_t *w, int64_t g, int64_t b, int p, __m256 *lo, __m256 *hi) {
-    const uint8_t *q = (const uint8_t *)w->qs + ((g * w->nb + b) * 16 + p) * 8;
+INLINE void q4_codes(const weight_t *w, int64_t g, int64_t b, int p, vf *lo, vf *hi) {
+    const uint8_t *q = (const uint8_t *)w->qs + ((g * w->nb + b) * 16 + p) * GW;
+#ifdef __AVX512F__
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+#else
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+#endif
 }
 
 // Weight j (0..31) of block b of group g, Q8_0.
-INLINE __m256 q8_codes(const weight_t *w, int64_t g, int64_t b, int j) {
-    const int8_t *q = (const int8_t *)w->qs + ((g * w->nb + b) * 32 + j) * 8;
+INLINE vf q8_codes(const weight_t *w, int64_t g, int64_t b, int j) {
+    const int8_t *q = (const int8_t *)w->qs + ((g * w->nb + b) * 32 + j) * GW;
+#ifdef __AVX512F__
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+#else
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+#endif
 }
 
 // End of block b for the (row r, group i) partial sum S: T (kept in y) takes the scale and,
 // for Q4_1, the minimum times the block's sum of x.
-INLINE void block_end(const weight_t *w, int64_t g, int64_t b, __m256 S, float sx, float *yt) {
-    const int64_t o = (g * w->nb + b) * 8;
-    __m256 t = b ? _mm256_loadu_ps(yt) : _mm256_setzero_ps();
-    t = _mm256_fmadd_ps(_mm256_loadu_ps(w->d + o), S, t);
-    if (w->kind == 0) t = _mm256_fmadd_ps(_mm256_loadu_ps(w->m + o), _mm256_set1_ps(sx), t);
-    _mm256_storeu_ps(yt, t);
+INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, float *yt) {
+    const int64_t o = (g * w->nb + b) * GW;
+    vf t = b ? VLOAD(yt) : VZERO();
+    t = VFMA(VLOAD(w->d + o), S, t);
+    if (w->kind == 0) t = VFMA(VLOAD(w->m + o), VSET1(sx), t);
+    VSTORE(yt, t);
 }
 
 // Prefetch block b of the NT groups starting at ga (their codes, scales, minima): called for
 // b = 0 .. nb-1 while an earlier tile computes, the memory-level parallelism the hardware
 // prefetcher does not reach at one decode row.
 INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b) {
-    const int64_t cb = w->kind == 0 ? 128 : 256;
+    const int64_t cb = (w->kind == 0 ? 16 : 32) * GW;  // code bytes of a group's block
     for (int i = 0; i < NT; i++) {
         const char *q = (const char *)w->qs + ((ga + i) * w->nb + b) * cb;
         for (int64_t off = 0; off < cb; off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
-        if ((b & 1) == 0) {
-            _mm_prefetch((const char *)(w->d + ((ga + i) * w->nb + b) * 8), _MM_HINT_T0);
-            if (w->kind == 0) _mm_prefetch((const char *)(w->m + ((ga + i) * w->nb + b) * 8), _MM_HINT_T0);
+        if ((b * GW * 4) % 64 == 0) {  // a cache line of scales (and minima) per 64 bytes
+            _mm_prefetch((const char *)(w->d + ((ga + i) * w->nb + b) * GW), _MM_HINT_T0);
+            if (w->kind == 0) _mm_prefetch((const char *)(w->m + ((ga + i) * w->nb + b) * GW), _MM_HINT_T0);
         }
     }
 }
@@ -84,58 +99,62 @@ INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b) {
 // Few rows (decode, a verification run): MT rows x NT groups straight from the codes, each
 // converted vector used by all MT rows. x rows at ldx, sx [MT, nb], y: the tile's first
 // output (group g0), rows at ldy. TREG: the sums T stay in registers (else they go through
-// y between blocks: where MT x NT x 2 vectors would not fit in the 16 registers).
+// y between blocks: where MT x NT x 2 vectors would not fit in the registers).
 INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch,
                        const float *x, int64_t ldx, const float *sx, const int MT, float *y,
                        int64_t ldy, const int TREG) {
     const int64_t nb = w->nb;
-    __m256 T[8][4];
+    vf T[8][8];
     if (TREG)
         for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NT; i++) T[r][i] = _mm256_setzero_ps();
+            for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
         if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
-        __m256 S[8][4];
+        vf S[8][8];
         for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NT; i++) S[r][i] = _mm256_setzero_ps();
+            for (int i = 0; i < NT; i++) S[r][i] = VZERO();
         if (w->kind == 0) {
             for (int p = 0; p < 16; p++)
                 for (int i = 0; i < NT; i++) {
-                    __m256 lo, hi;
+                    vf lo, hi;
                     q4_codes(w, g0 + i, b, p, &lo, &hi);
                     for (int r = 0; r < MT; r++) {
                         const float *xr = x + r * ldx + b * 32 + p;
-                        S[r][i] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xr), S[r][i]);
-                        S[r][i] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xr + 16), S[r][i]);
+                        S[r][i] = VFMA(lo, VBCAST(xr), S[r][i]);
+                        S[r][i] = VFMA(hi, VBCAST(xr + 16), S[r][i]);
                     }
                 }
         } else {
             for (int j = 0; j < 32; j++)
                 for (int i = 0; i < NT; i++) {
-                    __m256 q = q8_codes(w, g0 + i, b, j);
+                    vf q = q8_codes(w, g0 + i, b, j);
                     for (int r = 0; r < MT; r++)
-                        S[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + r * ldx + b * 32 + j), S[r][i]);
+                        S[r][i] = VFMA(q, VBCAST(x + r * ldx + b * 32 + j), S[r][i]);
                 }
         }
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) {
                 const float s = w->kind == 0 ? sx[r * nb + b] : 0.0f;
                 if (TREG) {
-                    const int64_t o = ((g0 + i) * nb + b) * 8;
-                    T[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(w->d + o), S[r][i], T[r][i]);
+                    const int64_t o = ((g0 + i) * nb + b) * GW;
+                    T[r][i] = VFMA(VLOAD(w->d + o), S[r][i], T[r][i]);
                     if (w->kind == 0)
-                        T[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(w->m + o), _mm256_set1_ps(s), T[r][i]);
+                        T[r][i] = VFMA(VLOAD(w->m + o), VSET1(s), T[r][i]);
                 } else {
-                    block_end(w, g0 + i, b, S[r][i], s, y + r * ldy + i * 8);
+                    block_end(w, g0 + i, b, S[r][i], s, y + r * ldy + i * GW);
                 }
             }
     }
     if (TREG)
         for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NT; i++) _mm256_storeu_ps(y + r * ldy + i * 8, T[r][i]);
+            for (int i = 0; i < NT; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
 }
 
-// Many rows: the codes of NB groups converted once per panel into buf [NB, K, 8] floats, in
+// Rows per buffered tile: MTB x 2 accumulators, 2 weight vectors and a broadcast in the
+// registers (16 with AVX2, 32 with AVX-512).
+#define MTB (GW == 16 ? 8 : 6)
+
+// Many rows: the codes of NB groups converted once per panel into buf [NB, K, GW] floats, in
 // the contract's order within each block (Q4_1: p, p + 16, p + 1, ...), then this tile of MT
 // rows x NB groups runs over them.
 INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const int NB,
@@ -143,22 +162,22 @@ INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const
                           int64_t ldy) {
     const int64_t nb = w->nb, K = w->K;
     for (int64_t b = 0; b < nb; b++) {
-        __m256 S[6][2];
+        vf S[MTB][2];
         for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NB; i++) S[r][i] = _mm256_setzero_ps();
+            for (int i = 0; i < NB; i++) S[r][i] = VZERO();
         for (int j = 0; j < 32; j++) {
             const int kk = w->kind == 0 ? (j & 1) * 16 + (j >> 1) : j;  // x index in the block
-            __m256 wv[2];
-            for (int i = 0; i < NB; i++) wv[i] = _mm256_load_ps(buf + (i * K + b * 32 + j) * 8);
+            vf wv[2];
+            for (int i = 0; i < NB; i++) wv[i] = VLOADA(buf + (i * K + b * 32 + j) * GW);
             for (int r = 0; r < MT; r++) {
-                __m256 xv = _mm256_broadcast_ss(x + r * ldx + b * 32 + kk);
-                for (int i = 0; i < NB; i++) S[r][i] = _mm256_fmadd_ps(wv[i], xv, S[r][i]);
+                vf xv = VBCAST(x + r * ldx + b * 32 + kk);
+                for (int i = 0; i < NB; i++) S[r][i] = VFMA(wv[i], xv, S[r][i]);
             }
         }
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NB; i++)
                 block_end(w, g0 + i, b, S[r][i], w->kind == 0 ? sx[r * nb + b] : 0.0f,
-                          y + r * ldy + i * 8);
+                          y + r * ldy + i * GW);
     }
 }
 
@@ -166,19 +185,19 @@ INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const
 INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x, int64_t ldx,
                      const int MT, float *y, int64_t ldy) {
     const float *wq = (const float *)w->qs;
-    __m256 T[6][8];
+    vf T[6][8];
     for (int r = 0; r < MT; r++)
-        for (int i = 0; i < NT; i++) T[r][i] = _mm256_setzero_ps();
+        for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t k = 0; k < w->K; k++) {
-        __m256 wv[8];
-        for (int i = 0; i < NT; i++) wv[i] = _mm256_loadu_ps(wq + ((g0 + i) * w->K + k) * 8);
+        vf wv[8];
+        for (int i = 0; i < NT; i++) wv[i] = VLOAD(wq + ((g0 + i) * w->K + k) * GW);
         for (int r = 0; r < MT; r++) {
-            __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-            for (int i = 0; i < NT; i++) T[r][i] = _mm256_fmadd_ps(wv[i], xv, T[r][i]);
+            vf xv = VBCAST(x + r * ldx + k);
+            for (int i = 0; i < NT; i++) T[r][i] = VFMA(wv[i], xv, T[r][i]);
         }
     }
     for (int r = 0; r < MT; r++)
-        for (int i = 0; i < NT; i++) _mm256_storeu_ps(y + r * ldy + i * 8, T[r][i]);
+        for (int i = 0; i < NT; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
 }
 
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
@@ -195,9 +214,9 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
         int64_t g = g0;
 #define F32_CASE(MT, NT)                                                                    \
     case MT:                                                                                \
-        for (; g + NT <= g1; g += NT) tile_f32(w, g, NT, xr, ldx, MT, yr + (g - g0) * 8, ldy); \
-        for (; g + 2 <= g1; g += 2) tile_f32(w, g, 2, xr, ldx, MT, yr + (g - g0) * 8, ldy);    \
-        for (; g < g1; g++) tile_f32(w, g, 1, xr, ldx, MT, yr + (g - g0) * 8, ldy);            \
+        for (; g + NT <= g1; g += NT) tile_f32(w, g, NT, xr, ldx, MT, yr + (g - g0) * GW, ldy); \
+        for (; g + 2 <= g1; g += 2) tile_f32(w, g, 2, xr, ldx, MT, yr + (g - g0) * GW, ldy);   \
+        for (; g < g1; g++) tile_f32(w, g, 1, xr, ldx, MT, yr + (g - g0) * GW, ldy);           \
         break;
         // NT x MT >= 6 accumulators: enough independent FMA chains in flight
         switch (mt) {
@@ -209,7 +228,7 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
 }
 
 // Quantised weights: rows [0, M) x groups [g0, g1) into y (group g0's first output); buf:
-// this thread's [2, K, 8] floats.
+// this thread's [2, K, GW] floats.
 // The tile shapes per row count were measured (bench_kernels.py; architecture.md).
 INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const float *sx,
                        float *buf, int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
@@ -219,15 +238,26 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
         int64_t g = g0;                                                                      \
         for (; g + NT <= g1; g += NT)                                                        \
             tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, x, ldx, sx, MT,               \
-                       y + (g - g0) * 8, ldy, TREG);                                         \
+                       y + (g - g0) * GW, ldy, TREG);                                        \
+        if (NT > 2)                                                                          \
+            for (; g + 2 <= g1; g += 2)                                                      \
+                tile_codes(w, g, 2, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG);        \
         for (; g < g1; g++)                                                                  \
-            tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * 8, ldy, TREG);             \
+            tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG);            \
         break;                                                                               \
     }
+    // One FMA chain per (row, group) of the tile, 32 FMAs long per block (the contract's
+    // order): the tile needs ~8 chains to keep both FMA pipes busy through their latency,
+    // which the 32 AVX-512 registers allow and AVX2's 16 do not.
     if (M <= MAX_ROWS) {
         switch (M) {
+#if GW == 16
+            CODES_CASE(1, 2, 1) CODES_CASE(2, 2, 1) CODES_CASE(3, 2, 1) CODES_CASE(4, 2, 1)
+            CODES_CASE(5, 2, 1) CODES_CASE(6, 2, 1) CODES_CASE(7, 2, 0) CODES_CASE(8, 2, 0)
+#else
             CODES_CASE(1, 4, 1) CODES_CASE(2, 4, 0) CODES_CASE(3, 2, 1) CODES_CASE(4, 1, 1)
             CODES_CASE(5, 1, 1) CODES_CASE(6, 1, 1) CODES_CASE(7, 1, 0) CODES_CASE(8, 1, 0)
+#endif
             default: break;
         }
         return;
@@ -239,22 +269,22 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
             const int NB = g + 2 <= g1 ? 2 : 1;
             for (int i = 0; i < NB; i++)
                 for (int64_t b = 0; b < nb; b++) {
-                    float *o = buf + (i * w->K + b * 32) * 8;
+                    float *o = buf + (i * w->K + b * 32) * GW;
                     if (w->kind == 0) {
                         for (int p = 0; p < 16; p++) {
-                            __m256 lo, hi;
+                            vf lo, hi;
                             q4_codes(w, g + i, b, p, &lo, &hi);
-                            _mm256_store_ps(o + (2 * p) * 8, lo);
-                            _mm256_store_ps(o + (2 * p + 1) * 8, hi);
+                            VSTOREA(o + (2 * p) * GW, lo);
+                            VSTOREA(o + (2 * p + 1) * GW, hi);
                         }
                     } else {
-                        for (int j = 0; j < 32; j++) _mm256_store_ps(o + j * 8, q8_codes(w, g + i, b, j));
+                        for (int j = 0; j < 32; j++) VSTOREA(o + j * GW, q8_codes(w, g + i, b, j));
                     }
                 }
-            for (int r = p0; r < p0 + pm; r += 6) {
-                const int mt = p0 + pm - r < 6 ? p0 + pm - r : 6;
+            for (int r = p0; r < p0 + pm; r += MTB) {
+                const int mt = p0 + pm - r < MTB ? p0 + pm - r : MTB;
                 const float *xr = x + (int64_t)r * ldx, *sr = sx + (int64_t)r * nb;
-                float *yr = y + (int64_t)r * ldy + (g - g0) * 8;
+                float *yr = y + (int64_t)r * ldy + (g - g0) * GW;
 #define BUF_CASE(MT)                                                                        \
     case MT:                                                                                \
         if (NB == 2) tile_buffered(w, g, buf, 2, xr, ldx, sr, MT, yr, ldy);                 \
@@ -262,6 +292,9 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
         break;
                 switch (mt) {
                     BUF_CASE(1) BUF_CASE(2) BUF_CASE(3) BUF_CASE(4) BUF_CASE(5) BUF_CASE(6)
+#if MTB > 6
+                    BUF_CASE(7) BUF_CASE(8)
+#endif
                     default: break;
                 }
 #undef BUF_CASE
@@ -297,32 +330,32 @@ static void rows_any(const weight_t *w, const act_t *a, float *buf, float *y, in
     else rows_q8_0(w, a, buf, y, ldy, g0, g1);
 }
 
-// The groups [g0, g1) of this thread. The padded last group (N % 8) is computed into tail
-// ([M, 8]) and copied, so that no store lands past output N - 1 of a row.
+// The groups [g0, g1) of this thread. The padded last group (N % GW) is computed into tail
+// ([M, GW]) and copied, so that no store lands past output N - 1 of a row.
 static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tail, float *y,
                        int64_t ldy, int64_t g0, int64_t g1) {
-    const int64_t full = w->N / 8;
-    if (g0 < full) rows_any(w, a, buf, y + g0 * 8, ldy, g0, g1 < full ? g1 : full);
+    const int64_t full = w->N / GW;
+    if (g0 < full) rows_any(w, a, buf, y + g0 * GW, ldy, g0, g1 < full ? g1 : full);
     if (g1 > full && full >= g0) {
-        rows_any(w, a, buf, tail, 8, full, full + 1);
+        rows_any(w, a, buf, tail, GW, full, full + 1);
         for (int r = 0; r < a->M; r++)
-            memcpy(y + (int64_t)r * ldy + full * 8, tail + r * 8, (w->N - full * 8) * sizeof(float));
+            memcpy(y + (int64_t)r * ldy + full * GW, tail + r * GW, (w->N - full * GW) * sizeof(float));
     }
 }
 
-// Entry point (ctypes). Groups are split over threads in multiples of 4 (the decode tile).
+// Entry point (ctypes). Groups are split over threads in units of 32 outputs (the decode tile).
 // Returns 0, or -1 when its scratch memory could not be allocated (nothing computed).
 int gemm(int kind, const void *qs, const float *d, const float *m, const float *x,
          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
     if (M <= 0) return 0;
     weight_t w = {kind, qs, d, m, K, N, K / 32};
-    const int64_t G = (N + 7) / 8, nb = K / 32;
-    if (nthreads < 1 || G < 8) nthreads = 1;
-    // Scratch: sx [M, nb] | bufs [threads, 2K x 8] (many rows) | tail [M, 8]; each part a
-    // multiple of 8 floats, so that every part stays 32-byte aligned. A few KB at decode.
-    const size_t n_sx = kind == 0 ? ((size_t)M * nb + 7) / 8 * 8 : 0;
-    const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * 8 : 0;
-    float *base = (float *)aligned_alloc(32, (n_sx + n_buf + (size_t)M * 8) * sizeof(float));
+    const int64_t G = (N + GW - 1) / GW, nb = K / 32;
+    if (nthreads < 1 || N < 64) nthreads = 1;
+    // Scratch: sx [M, nb] | bufs [threads, 2K x GW] (many rows) | tail [M, GW]; each part a
+    // multiple of 16 floats, so that every part stays 64-byte aligned. A few KB at decode.
+    const size_t n_sx = kind == 0 ? ((size_t)M * nb + 15) / 16 * 16 : 0;
+    const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * GW : 0;
+    float *base = (float *)aligned_alloc(64, (n_sx + n_buf + (size_t)M * 16) * sizeof(float));
     if (base == NULL) return -1;
     float *bufs = base + n_sx, *tail = bufs + n_buf;
     const act_t a = {x, base, ldx, M};
@@ -334,10 +367,10 @@ int gemm(int kind, const void *qs, const float *d, const float *m, const float *
 #pragma omp parallel num_threads(nthreads)
         {
             THREAD_INDEX(t, T);
-            int64_t units = (G + 3) / 4, per = (units + T - 1) / T;
-            int64_t g0 = t * per * 4, g1 = (t + 1) * per * 4;
+            const int64_t U = 32 / GW, units = (G + U - 1) / U, per = (units + T - 1) / T;
+            int64_t g0 = t * per * U, g1 = (t + 1) * per * U;
             if (g1 > G) g1 = G;
-            if (g0 < g1) run_groups(&w, &a, bufs + (size_t)t * 2 * K * 8, tail, y, ldy, g0, g1);
+            if (g0 < g1) run_groups(&w, &a, bufs + (size_t)t * 2 * K * GW, tail, y, ldy, g0, g1);
         }
     }
     free(base);

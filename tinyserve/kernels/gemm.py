@@ -1,10 +1,11 @@
-"""Matmuls of any row count from packed weights (gemm.c, AVX2 + FMA): a GGUF's Q4_1 / Q8_0
+"""Matmuls of any row count from packed weights (gemm.c, AVX2 or AVX-512): a GGUF's Q4_1 / Q8_0
 blocks, int8 with per-channel scales, or plain float32.
 
 A :class:`PackedWeight` holds a weight in the checkpoint's own layout (one row of blocks per
 output: what loading, slicing and stacking work on, and what qgemm.c reads); gemm.c reads
 its :attr:`PackedWeight.kernel` form, the same codes regrouped so that one vector lane
-serves one output of a group of 8 (:class:`KernelWeight`), built once per weight.
+serves one output of a group of 8 (AVX2) or 16 (AVX-512) (:class:`KernelWeight`), built once
+per weight.
 
 Two reasons to own this matmul rather than call torch's GEMM:
 
@@ -55,6 +56,12 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def group_width() -> int:
+    """Outputs per group in the kernel layout of the gemm.c built here: its vector's lanes."""
+    lib = library()
+    return lib.gemm_group_width() if lib is not None else 8
 
 
 @functools.cache
@@ -109,21 +116,22 @@ class PackedWeight:
         return (q * self.d[..., None] + self.m[..., None]).view(n, k)
 
 
-def _grouped(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[N, ...] -> [G, 8, ...]: rows in groups of 8, the last padded with zeros."""
-    pad = -n % 8
+def _grouped(t: torch.Tensor, n: int, gw: int) -> torch.Tensor:
+    """[N, ...] -> [G, gw, ...]: rows in groups of gw, the last padded with zeros."""
+    pad = -n % gw
     if pad:
         t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    return t.reshape(-1, 8, *t.shape[1:])
+    return t.reshape(-1, gw, *t.shape[1:])
 
 
 @dataclass
 class KernelWeight:
-    """A weight in gemm.c's layout: outputs in G = ceil(N/8) groups of 8 (zero padded), the
-    group's 8 outputs innermost, so that one vector lane computes one output.
+    """A weight in gemm.c's layout: outputs in G = ceil(N/W) groups of W (zero padded; W = 8
+    for AVX2, 16 for AVX-512: :func:`group_width`), the group's W outputs innermost, so that
+    one vector lane computes one output.
 
-    Q4_1: ``qs`` uint8 [G, K/32, 16, 8] (byte p of each output's block), ``d``/``m`` [G, K/32, 8];
-    Q8_0: ``qs`` int8 [G, K/32, 32, 8], ``d`` [G, K/32, 8]; F32: ``qs`` float32 [G, K, 8]."""
+    Q4_1: ``qs`` uint8 [G, K/32, 16, W] (byte p of each output's block), ``d``/``m`` [G, K/32, W];
+    Q8_0: ``qs`` int8 [G, K/32, 32, W], ``d`` [G, K/32, W]; F32: ``qs`` float32 [G, K, W]."""
 
     kind: str
     qs: torch.Tensor
@@ -132,18 +140,20 @@ class KernelWeight:
     shape: tuple[int, int]
 
     @staticmethod
-    def of(w: PackedWeight) -> KernelWeight:
+    def of(w: PackedWeight, width: int | None = None) -> KernelWeight:
+        """``w`` regrouped for a gemm.c of group ``width`` (default: the one built here)."""
         n, k = w.shape
+        gw = width or group_width()
 
-        def scales(t):  # [N, K/32] -> [G, K/32, 8]
-            return None if t is None else _grouped(t, n).permute(0, 2, 1).contiguous()
+        def scales(t):  # [N, K/32] -> [G, K/32, W]
+            return None if t is None else _grouped(t, n, gw).permute(0, 2, 1).contiguous()
 
-        if w.kind == Q4_1:  # [N, K/32, 16] -> [G, K/32, 16, 8]
-            qs = _grouped(w.qs, n).permute(0, 2, 3, 1)
-        elif w.kind == Q8_0:  # [N, K] -> [G, K/32, 32, 8]
-            qs = _grouped(w.qs.reshape(n, k // 32, 32), n).permute(0, 2, 3, 1)
-        else:  # [N, K] -> [G, K, 8]
-            qs = _grouped(w.qs, n).permute(0, 2, 1)
+        if w.kind == Q4_1:  # [N, K/32, 16] -> [G, K/32, 16, W]
+            qs = _grouped(w.qs, n, gw).permute(0, 2, 3, 1)
+        elif w.kind == Q8_0:  # [N, K] -> [G, K/32, 32, W]
+            qs = _grouped(w.qs.reshape(n, k // 32, 32), n, gw).permute(0, 2, 3, 1)
+        else:  # [N, K] -> [G, K, W]
+            qs = _grouped(w.qs, n, gw).permute(0, 2, 1)
         return KernelWeight(w.kind, qs.contiguous(), scales(w.d), scales(w.m), w.shape)
 
 

@@ -7,7 +7,7 @@
 //   Q4_1: d*dx * sum(q * qx) + m * sx        Q8_0: d*dx * sum(q * qx)
 // The integer sums are exact (maddubs: |u4 * i8| pairs <= 3810, |i8 * i8| pairs <= 32512,
 // no saturation); only dx's rounding of x moves the result: |error| <= sum_b dx_b / 2 *
-// sum_k |w_k| over the block. AVX2 + FMA, K % 32 == 0.
+// sum_k |w_k| over the block. AVX2 + FMA (+ AVX512-VNNI where built for it), K % 32 == 0.
 //
 // Batch invariance, as in gemm.c: every y[r, n] is the same sequence of float operations
 // whatever M, the tiling and the thread count: one 8-lane accumulator per (n, r) takes
@@ -71,12 +71,17 @@ INLINE __m256i codes(const qgemm_t *w, const int kind, int64_t n, int64_t b) {
     return _mm256_loadu_si256((const __m256i *)(w->qs + n * w->K + b * 32));
 }
 
-// 8 int32 partial sums of codes . qx as floats.
+// 8 int32 partial sums of codes . qx as floats, lane j = the products of bytes 4j..4j+3.
+// With AVX512-VNNI one vpdpbusd; else maddubs (pairs, no saturation: see above) and madd
+// (pairs of pairs). Both are exact, so the two give the same integers, and the same floats.
 INLINE __m256 dot32(int kind, __m256i wq, __m256i wabs, __m256i xq) {
+    const __m256i xs = kind == 0 ? xq : _mm256_sign_epi8(xq, wq), wu = kind == 0 ? wq : wabs;
+#ifdef __AVX512VNNI__
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, xs));
+#else
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i p = kind == 0 ? _mm256_maddubs_epi16(wq, xq)
-                          : _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), ones));
+#endif
 }
 
 // sum_b a[b] * b[b] in a fixed order (8 lanes, then the lanes, then the tail).

@@ -1,4 +1,5 @@
-// Shared AVX2 helpers of the CPU kernels: a fixed-order horizontal sum and a vector exp.
+// Shared helpers of the CPU kernels: the widest float vector built for (vf: GW lanes), a
+// fixed-order horizontal sum and a vector exp (AVX2).
 #ifndef TINYSERVE_SIMD_H
 #define TINYSERVE_SIMD_H
 #include <immintrin.h>
@@ -13,6 +14,30 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+// The float vector of GW lanes: AVX-512 where the build's flags allow it, else AVX2.
+#ifdef __AVX512F__
+#define GW 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VLOADA(p) _mm512_load_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSTOREA(p, v) _mm512_store_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET1(s) _mm512_set1_ps(s)
+#else
+#define GW 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VLOADA(p) _mm256_load_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSTOREA(p, v) _mm256_store_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET1(s) _mm256_set1_ps(s)
+#endif
+#define VBCAST(p) VSET1(*(p))
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tinyserve.kernels import gemm
+from tinyserve.models.loader import layer_matmuls
 from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
 from tinyserve.worker import autotune
 
@@ -40,18 +41,19 @@ def test_calibration_is_measured_once_per_cpu_and_cached(tmp_path, monkeypatch):
     calls = []
     real = autotune._measure
     monkeypatch.setattr(autotune, "_measure", lambda *a: calls.append(a) or real(*a))
-    first = autotune.choose_cpu_dtype("q4_1", 256, 128)
+    layer = (("q4_1", 256, 128), ("f32", 128, 256))
+    first = autotune.choose_cpu_dtype(layer)
     assert first.dtype in (torch.float32, torch.bfloat16)
     assert first.reason.startswith("measured in")
     assert set(first.timings_ms) == {"float32+kernels", "bfloat16"}
-    second = autotune.choose_cpu_dtype("q4_1", 256, 128)
+    second = autotune.choose_cpu_dtype(layer)
     assert second.reason.startswith("cached calibration") and second.dtype == first.dtype
     assert len(calls) == 1  # the second start measured nothing
     cache = json.loads((tmp_path / "calibration.json").read_text())
     (key,) = cache
     from tinyserve.utils.cpu import cpu_model_name
 
-    assert key.startswith(cpu_model_name()) and key.endswith("|q4_1|256x128")
+    assert key.startswith(cpu_model_name()) and key.endswith("|q4_1:256x128,f32:128x256")
 
 
 @pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
@@ -65,10 +67,25 @@ def test_engine_logs_the_dtype_choice_and_why(tiny_llama_dir, tmp_path, monkeypa
     lines = [r.getMessage() for r in caplog.records if "--dtype auto ->" in r.getMessage()]
     assert len(lines) == 1 and "float32+kernels" in lines[0], lines
     cfg = engine.model_config
-    cached = autotune.choose_cpu_dtype("f32", 2 * cfg.intermediate_size, cfg.hidden_size)
+    layer = layer_matmuls(str(tiny_llama_dir))
+    assert layer[2] == ("f32", 2 * cfg.intermediate_size, cfg.hidden_size)  # gate/up
+    cached = autotune.choose_cpu_dtype(layer)
     assert cached.reason.startswith("cached") and engine.executor.dtype == cached.dtype
     # A flag still overrides: no calibration at all.
     caplog.clear()
     with caplog.at_level(logging.INFO):
         LLMEngine(model=str(tiny_llama_dir), num_blocks=16, load_tokenizer=False, dtype="float32")
     assert not any("--dtype auto" in r.getMessage() for r in caplog.records)
+
+
+def test_layer_matmuls_of_the_default_gguf_name_its_blocks(smollm2_gguf_path):
+    """What the calibration times is the layer the engine runs: SmolLM2's q/k/v, o, gate/up
+    and down with the GGUF's own block kinds."""
+    heads, kv, hd, h, inter = 9, 3, 64, 576, 1536
+    assert layer_matmuls(smollm2_gguf_path) == (
+        ("q4_1", (heads + 2 * kv) * hd, h),
+        ("q4_1", h, heads * hd),
+        ("q4_1", 2 * inter, h),
+        ("q4_1", h, inter),
+    )
+    assert layer_matmuls(smollm2_gguf_path, "int8")[0][0] == "q4_1"  # a GGUF keeps its blocks

@@ -26,7 +26,7 @@ from tinyserve.models.weights import iter_safetensors, load_weights
 
 __all__ = [
     "ModelSource",
-    "largest_matmul",
+    "layer_matmuls",
     "load_model",
     "load_model_config",
     "load_tokenizer",
@@ -127,17 +127,32 @@ def load_model(
     return net, source
 
 
-def largest_matmul(model, quantization: str | None = None) -> tuple[str, int, int]:
-    """(weight kind, N, K) of the model's gate/up matmul, read from the config and (for a
-    GGUF) the tensor table only: what worker/autotune.py times before the model loads."""
+def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, int, int], ...]:
+    """(weight kind, N, K) of each matmul of a decoder layer (fused q/k/v, o, fused gate/up,
+    down), read from the config and (for a GGUF) the tensor table only: what
+    worker/autotune.py times before the model loads."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, _ = load_model_config(source, ckpt)
-    kind = "q8_0" if quantization == "int8" else "f32"
-    if ckpt is not None:
-        t = ckpt.tensors.get("blk.0.ffn_gate.weight")
-        kind = {3: "q4_1", 8: "q8_0"}.get(getattr(t, "qtype", None), kind)
-    return kind, 2 * config.intermediate_size, config.hidden_size
+    dense = "q8_0" if quantization == "int8" else "f32"
+
+    def kind(*names: str) -> str:
+        if ckpt is None:
+            return dense
+        kinds = {getattr(ckpt.tensors.get(f"blk.0.{n}.weight"), "qtype", None) for n in names}
+        known = {3: "q4_1", 8: "q8_0"}
+        # stacked parts of different kinds are held as float32 (gemm.cat_rows needs one kind)
+        return known.get(kinds.pop(), "f32") if len(kinds) == 1 else "f32"
+
+    h, hd = config.hidden_size, config.head_dim
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
+    inter = config.intermediate_size
+    return (
+        (kind("attn_q", "attn_k", "attn_v"), qkv, h),
+        (kind("attn_output"), h, config.num_attention_heads * hd),
+        (kind("ffn_gate", "ffn_up"), 2 * inter, h),
+        (kind("ffn_down"), h, inter),
+    )
 
 
 def _use_kernel_attention_and_step(

@@ -7,9 +7,12 @@ The candidates are the two ways tinyserve can run a model on a CPU:
 * ``bfloat16`` through torch's GEMM (oneDNN): fast only where the CPU computes bf16
   natively (AVX512-BF16, AMX), emulated and slow elsewhere.
 
-Each is timed on the model's largest matmul shape at a decode row count (1), a batched
-decode (16) and a prefill chunk (128), a few repetitions over weights larger than the
-last-level cache (decode is bound by reading them). The winner minimises the worst ratio to
+Each is timed on one decoder layer's matmuls (q/k/v, o, gate/up, down: every call the layer
+makes, so each call's own cost counts: at one row torch's bf16 GEMM pays ~0.2 ms a call on a
+Zen 5, more than reading its weights takes, which timing the largest matmul alone hid and
+made ``auto`` pick bf16 at 5x the cost per token) at a decode row count (1), a batched decode
+(16) and a prefill chunk (128), a few repetitions over weights larger than the last-level
+cache (decode is bound by reading them). The winner minimises the worst ratio to
 the best candidate over the three shapes; the batch-invariant kernel path keeps the choice
 unless bf16 beats it by more than 10% (the price we accept for logits that do not move with
 the batch). Results are cached per CPU model, ISA flags, torch version, kernel source and
@@ -21,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -45,7 +47,10 @@ class Choice:
     timings_ms: dict  # candidate -> {rows: ms}
 
 
-def _key(kind: str, n: int, k: int) -> str:
+Shapes = tuple[tuple[str, int, int], ...]  # (weight kind, N, K) of each matmul of a layer
+
+
+def _key(shapes: Shapes) -> str:
     from pathlib import Path
 
     import tinyserve.kernels as kernels
@@ -54,69 +59,82 @@ def _key(kind: str, n: int, k: int) -> str:
     kernel_src = (folder / "gemm.c").read_bytes() + (folder / "simd.h").read_bytes()
     flags = " ".join(sorted(cpu_flags()))
     h = hashlib.sha256(kernel_src + flags.encode()).hexdigest()[:12]
-    return f"{cpu_model_name()}|{torch.__version__}|{h}|{kind}|{n}x{k}"
+    layer = ",".join(f"{kind}:{n}x{k}" for kind, n, k in shapes)
+    return f"{cpu_model_name()}|{torch.__version__}|{h}|{layer}"
 
 
 def _time(fn, reps: int) -> float:
+    """The fastest of ``reps`` runs in ms: noise from other processes only adds time, and a
+    choice made under a neighbour's load is cached for good."""
     fn()  # warm-up (first-touch, oneDNN primitive creation)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    return 1000 * min(times)
 
 
-def _measure(kind: str, n: int, k: int) -> dict[str, dict[int, float]]:
+def _packed(kind: str, base: torch.Tensor):
+    """A random weight of ``base``'s shape as the kernels would hold it (``kind`` blocks)."""
+    from tinyserve.kernels import gemm
+
+    n, k = base.shape
+    if kind == gemm.Q4_1:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        nb = k // 32
+        raw = np.concatenate(
+            [
+                rng.uniform(0.001, 0.01, (n, nb, 2)).astype(np.float16).view(np.uint8),
+                rng.integers(0, 256, (n, nb, 16), dtype=np.uint8),
+            ],
+            axis=-1,
+        ).reshape(n, nb * 20)
+        return gemm.from_gguf(raw, 3, (n, k))
+    return gemm.quantize_int8(base) if kind == gemm.Q8_0 else gemm.from_dense(base)
+
+
+def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
+    """ms per decoder layer (every matmul of ``shapes``, each call's own cost included) per
+    candidate and row count."""
     from tinyserve.kernels import gemm
 
     gen = torch.Generator().manual_seed(0)
-    base = torch.randn(n, k, generator=gen) * 0.02
+    bases = [torch.randn(n, k, generator=gen) * 0.02 for _, n, k in shapes]
     timings: dict[str, dict[int, float]] = {}
     if gemm.available():
-        if kind == gemm.Q4_1:
-            import numpy as np
-
-            rng = np.random.default_rng(0)
-            nb = k // 32
-            raw = np.concatenate(
-                [
-                    rng.uniform(0.001, 0.01, (n, nb, 2)).astype(np.float16).view(np.uint8),
-                    rng.integers(0, 256, (n, nb, 16), dtype=np.uint8),
-                ],
-                axis=-1,
-            ).reshape(n, nb * 20)
-            packed = gemm.from_gguf(raw, 3, (n, k))
-        elif kind == gemm.Q8_0:
-            packed = gemm.quantize_int8(base)
-        else:
-            packed = gemm.from_dense(base)
-        every_row = torch.arange(n)
+        layer = [_packed(kind, b) for (kind, _, _), b in zip(shapes, bases, strict=True)]
+        nbytes = sum(p.nbytes for p in layer)
         # gemm.c's layout of each copy (take_rows copies codes, scales and minima: all
         # streamed), built before the timing.
-        copies = [packed.kernel] + [
-            packed.take_rows(every_row).kernel
-            for _ in range(max(0, _LLC_BYTES // packed.nbytes - 1))
+        copies = [[p.kernel for p in layer]] + [
+            [p.take_rows(torch.arange(p.shape[0])).kernel for p in layer]
+            for _ in range(max(0, _LLC_BYTES // nbytes - 1))
         ]
-        timings["float32+kernels"] = _sweep(lambda x, w: gemm.matmul(x, w), copies, k)
-    bf16 = base.to(torch.bfloat16)
-    copies = [bf16] + [bf16.clone() for _ in range(_LLC_BYTES // bf16.nbytes - 1)]
-    timings["bfloat16"] = _sweep(lambda x, w: F.linear(x, w), copies, k, torch.bfloat16)
+        timings["float32+kernels"] = _sweep(lambda x, w: gemm.matmul(x, w), copies)
+    bf16 = [b.to(torch.bfloat16) for b in bases]
+    nbytes = sum(b.nbytes for b in bf16)
+    copies = [bf16] + [[b.clone() for b in bf16] for _ in range(_LLC_BYTES // nbytes - 1)]
+    timings["bfloat16"] = _sweep(lambda x, w: F.linear(x, w), copies, torch.bfloat16)
     return timings
 
 
-def _sweep(matmul, weights, k: int, dtype=torch.float32) -> dict[int, float]:
+def _sweep(matmul, layers, dtype=torch.float32) -> dict[int, float]:
     out = {}
+    widths = {w.shape[1] for w in layers[0]}
     with torch.inference_mode():
         for rows in ROWS:
-            x = torch.randn(rows, k).to(dtype)
-            ws = weights if rows == 1 else weights[:2]  # batched shapes are compute-bound
+            xs = {k: torch.randn(rows, k).to(dtype) for k in widths}
+            ls = layers if rows == 1 else layers[:2]  # batched shapes are compute-bound
 
-            def run(ws=ws, x=x):
-                for w in ws:
-                    matmul(x, w)
+            def run(ls=ls, xs=xs):
+                for layer in ls:
+                    for w in layer:
+                        matmul(xs[w.shape[1]], w)
 
-            out[rows] = _time(run, reps=3) / len(ws)
+            out[rows] = _time(run, reps=5) / len(ls)
     return out
 
 
@@ -135,11 +153,13 @@ def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     return pick, f"{pick} is within {worst_ratio[pick]:.2f}x of the best at every shape ({shown})"
 
 
-def choose_cpu_dtype(kind: str, n: int, k: int) -> Choice:
-    """The dtype ``--dtype auto`` resolves to on this CPU for a model whose largest matmul is
-    [n, k] with weights of ``kind`` (q4_1, q8_0 or f32), measured once per CPU and cached."""
+def choose_cpu_dtype(shapes: Shapes) -> Choice:
+    """The dtype ``--dtype auto`` resolves to on this CPU for a model whose decoder layer
+    makes the matmuls ``shapes`` ((kind, N, K): q4_1, q8_0 or f32 weights), measured once per
+    CPU and cached."""
     path = cache_dir() / "calibration.json"
-    key = _key(kind, n, k)
+    shapes = tuple(tuple(s) for s in shapes)
+    key = _key(shapes)
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -147,7 +167,7 @@ def choose_cpu_dtype(kind: str, n: int, k: int) -> Choice:
     entry = cache.get(key)
     if entry is None:
         t0 = time.monotonic()
-        timings = _measure(kind, n, k)
+        timings = _measure(shapes)
         pick, why = choose({c: {int(r): v for r, v in t.items()} for c, t in timings.items()})
         entry = {"pick": pick, "why": why, "timings_ms": timings,
                  "seconds": round(time.monotonic() - t0, 2)}  # fmt: skip
@@ -174,11 +194,10 @@ def resolve_engine_dtype(dtype, device: torch.device, model, cpu_kernels: bool, 
     if dtype not in (None, "auto") or device.type != "cpu" or not cpu_kernels:
         return resolve_dtype(dtype, device)
     from tinyserve.kernels import gemm
-    from tinyserve.models.loader import largest_matmul
+    from tinyserve.models.loader import layer_matmuls
 
     if not gemm.available():
         return resolve_dtype(dtype, device)
-    kind, n, k = largest_matmul(model, quantization)
-    choice = choose_cpu_dtype(kind, n, k)
+    choice = choose_cpu_dtype(layer_matmuls(model, quantization))
     logger.info("--dtype auto -> %s: %s", str(choice.dtype).replace("torch.", ""), choice.reason)
     return choice.dtype

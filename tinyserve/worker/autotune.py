@@ -63,18 +63,6 @@ def _key(shapes: Shapes) -> str:
     return f"{cpu_model_name()}|{torch.__version__}|{h}|{layer}"
 
 
-def _time(fn, reps: int) -> float:
-    """The fastest of ``reps`` runs in ms: noise from other processes only adds time, and a
-    choice made under a neighbour's load is cached for good."""
-    fn()  # warm-up (first-touch, oneDNN primitive creation)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * min(times)
-
-
 def _packed(kind: str, base: torch.Tensor):
     """A random weight of ``base``'s shape as the kernels would hold it (``kind`` blocks)."""
     from tinyserve.kernels import gemm
@@ -103,7 +91,7 @@ def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
 
     gen = torch.Generator().manual_seed(0)
     bases = [torch.randn(n, k, generator=gen) * 0.02 for _, n, k in shapes]
-    timings: dict[str, dict[int, float]] = {}
+    candidates = {}  # name -> (matmul, the layer's weights and their copies, dtype)
     if gemm.available():
         layer = [_packed(kind, b) for (kind, _, _), b in zip(shapes, bases, strict=True)]
         nbytes = sum(p.nbytes for p in layer)
@@ -113,28 +101,41 @@ def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
             [p.take_rows(torch.arange(p.shape[0])).kernel for p in layer]
             for _ in range(max(0, _LLC_BYTES // nbytes - 1))
         ]
-        timings["float32+kernels"] = _sweep(lambda x, w: gemm.matmul(x, w), copies)
+        candidates["float32+kernels"] = (gemm.matmul, copies, torch.float32)
     bf16 = [b.to(torch.bfloat16) for b in bases]
     nbytes = sum(b.nbytes for b in bf16)
     copies = [bf16] + [[b.clone() for b in bf16] for _ in range(_LLC_BYTES // nbytes - 1)]
-    timings["bfloat16"] = _sweep(lambda x, w: F.linear(x, w), copies, torch.bfloat16)
-    return timings
+    candidates["bfloat16"] = (F.linear, copies, torch.bfloat16)
+    return _sweep(candidates)
 
 
-def _sweep(matmul, layers, dtype=torch.float32) -> dict[int, float]:
-    out = {}
-    widths = {w.shape[1] for w in layers[0]}
+def _sweep(candidates: dict, reps: int = 5) -> dict[str, dict[int, float]]:
+    """ms per layer, per candidate and row count: the fastest of ``reps`` runs, the candidates
+    taking turns run by run, so that a neighbour's load (it only adds time) hits them alike —
+    a choice made under load is cached for good."""
+    out: dict[str, dict[int, float]] = {name: {} for name in candidates}
     with torch.inference_mode():
         for rows in ROWS:
-            xs = {k: torch.randn(rows, k).to(dtype) for k in widths}
-            ls = layers if rows == 1 else layers[:2]  # batched shapes are compute-bound
+            runs = {}
+            for name, (matmul, layers, dtype) in candidates.items():
+                xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in layers[0]}
+                ls = layers if rows == 1 else layers[:2]  # batched shapes are compute-bound
 
-            def run(ls=ls, xs=xs):
-                for layer in ls:
-                    for w in layer:
-                        matmul(xs[w.shape[1]], w)
+                def run(matmul=matmul, ls=ls, xs=xs):
+                    for layer in ls:
+                        for w in layer:
+                            matmul(xs[w.shape[1]], w)
 
-            out[rows] = _time(run, reps=5) / len(ls)
+                run()  # warm-up (first touch, oneDNN primitive creation)
+                runs[name] = (run, len(ls))
+            best = {name: float("inf") for name in runs}
+            for _ in range(reps):
+                for name, (run, _) in runs.items():
+                    t = time.perf_counter()
+                    run()
+                    best[name] = min(best[name], time.perf_counter() - t)
+            for name, (_, n_layers) in runs.items():
+                out[name][rows] = 1000 * best[name] / n_layers
     return out
 
 

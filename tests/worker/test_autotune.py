@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +92,28 @@ def test_layer_matmuls_of_the_default_gguf_name_its_blocks(smollm2_gguf_path):
         ("q4_1", h, inter),
     )
     assert layer_matmuls(smollm2_gguf_path, "int8")[0][0] == "q4_1"  # a GGUF keeps its blocks
+
+
+@pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_calibration_leaves_no_openmp_team_behind(tmp_path):
+    """The kernels' OpenMP team of the thread that calibrated would outlive it and, with more
+    libgomp threads than CPUs, stop the engine's team spinning between kernel calls (served
+    TPOT doubled): the calibration runs in a thread that exits. A fresh process, so that no
+    earlier test has left a team in this one."""
+    code = (
+        "import os\n"
+        "from tinyserve.kernels import gemm\n"
+        "from tinyserve.worker import autotune\n"
+        "gemm.library()\n"
+        "n = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = n()\n"
+        "c = autotune.choose_cpu_dtype((('q4_1', 256, 128), ('f32', 128, 256)))\n"
+        "assert c.reason.startswith('measured'), c.reason\n"
+        "print(before, n())\n"
+    )
+    env = {**os.environ, "TINYSERVE_CACHE_DIR": str(tmp_path), "TINYSERVE_KERNEL_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split())
+    assert after == before

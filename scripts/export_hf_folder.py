@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from tinyserve.models.default_model import ensure_default_model, tokenizer_dir_for
-from tinyserve.models.loader import ModelSource, _GGUFCheckpoint, load_tokenizer
+from tinyserve.models.gguf_checkpoint import GGUFCheckpoint
+from tinyserve.models.loader import ModelSource, load_tokenizer
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     gguf = Path(args.gguf) if args.gguf else ensure_default_model()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = _GGUFCheckpoint(gguf)
+    ckpt = GGUFCheckpoint(gguf)
     cfg, inv_freq = ckpt.config_and_rope()
     if inv_freq is not None:
         raise SystemExit("GGUFs with rope_freqs are not exported (no config.json equivalent)")

@@ -160,6 +160,8 @@ def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     finally:
         server.stop()
     assert refused is True
-    assert 2 < events < 200  # cut long before its 2000 tokens
+    # cut well before its 2000 tokens (a Zen 5 streams ~300 in the 2.5 s; the time bounds
+    # below say the cut came at the end of the grace period)
+    assert 2 < events < 1500
     assert grace - 0.5 < ended < grace + 5, ended  # the stream ran on through the grace period
     assert exited < grace + 10, exited

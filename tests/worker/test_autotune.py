@@ -72,6 +72,8 @@ def test_engine_logs_the_dtype_choice_and_why(tiny_llama_dir, tmp_path, monkeypa
     cfg = engine.model_config
     layer = layer_matmuls(str(tiny_llama_dir))
     assert layer[2] == ("f32", 2 * cfg.intermediate_size, cfg.hidden_size)  # gate/up
+    # a float checkpoint with --quantization int8 is held as Q8_0 blocks (choose_linear_methods)
+    assert {kind for kind, _, _ in layer_matmuls(str(tiny_llama_dir), "int8")} == {"q8_0"}
     cached = autotune.choose_cpu_dtype(layer)
     assert cached.reason.startswith("cached") and engine.executor.dtype == cached.dtype
     # A flag still overrides: no calibration at all.

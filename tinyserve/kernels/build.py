@@ -42,7 +42,7 @@ ISA_LEVELS = {
 def isa_level() -> str | None:
     """The best ISA level this CPU supports that we have kernels for, or the level named by
     ``$TINYSERVE_CPU_ISA`` (to compare levels on one machine) when this CPU has it."""
-    usable = [level for level, (needs, _) in ISA_LEVELS.items() if needs <= cpu_flags()]
+    usable = usable_levels()
     asked = os.environ.get("TINYSERVE_CPU_ISA")
     if asked:
         if asked not in ISA_LEVELS:

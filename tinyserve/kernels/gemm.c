@@ -26,7 +26,6 @@
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
 
-
 typedef struct {
     int kind;
     const void *qs;
@@ -104,13 +103,13 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
                        const float *x, int64_t ldx, const float *sx, const int MT, float *y,
                        int64_t ldy, const int TREG) {
     const int64_t nb = w->nb;
-    vf T[8][8];
+    vf T[8][4];
     if (TREG)
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
         if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
-        vf S[8][8];
+        vf S[8][4];
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) S[r][i] = VZERO();
         if (w->kind == 0) {
@@ -262,9 +261,9 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
             tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG);            \
         break;                                                                               \
     }
-    // One FMA chain per (row, group) of the tile, 32 FMAs long per block (the contract's
-    // order): the tile needs ~8 chains to keep both FMA pipes busy through their latency,
-    // which the 32 AVX-512 registers allow and AVX2's 16 do not.
+    // Measured (benchmarks/README.md, "AVX-512"): with 16 lanes a tile of 2 groups (32
+    // outputs, AVX2's 4 x 8) is best at every few-row count; wider tiles leave a thread too
+    // few tiles for the prefetch ahead (1 row: 2 groups 4.1-4.5 ms, 4 groups ~5.2, 8 groups 6.1).
     if (M <= MAX_ROWS) {
         switch (M) {
 #if GW == 16

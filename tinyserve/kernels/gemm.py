@@ -58,6 +58,11 @@ def available() -> bool:
     return library() is not None
 
 
+def block_kind(qtype: int) -> str | None:
+    """The kernels' weight kind for a GGML type id (Q4_1, Q8_0), or None: dequantised to float."""
+    return _GGML_TYPES.get(qtype)
+
+
 def group_width() -> int:
     """Outputs per group in the kernel layout of the gemm.c built here: its vector's lanes."""
     lib = library()
@@ -173,7 +178,7 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
 
 def from_gguf(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> PackedWeight | None:
     """A GGUF tensor's bytes ([N, bytes per row]) as a PackedWeight, or None for other types."""
-    kind = _GGML_TYPES.get(qtype)
+    kind = block_kind(qtype)
     n, k = shape
     if kind is None or k % 32 != 0:
         return None

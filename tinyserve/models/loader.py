@@ -134,15 +134,18 @@ def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, in
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, _ = load_model_config(source, ckpt)
+    from tinyserve.kernels.gemm import block_kind
+
     dense = "q8_0" if quantization == "int8" else "f32"
 
     def kind(*names: str) -> str:
+        """The blocks the kernels keep (GGUFCheckpoint.packed_blocks: stacked parts must share
+        one kind), else the dense weight as choose_linear_methods holds it."""
         if ckpt is None:
             return dense
-        kinds = {getattr(ckpt.tensors.get(f"blk.0.{n}.weight"), "qtype", None) for n in names}
-        known = {3: "q4_1", 8: "q8_0"}
-        # stacked parts of different kinds are held as float32 (gemm.cat_rows needs one kind)
-        return known.get(kinds.pop(), "f32") if len(kinds) == 1 else "f32"
+        kinds = {block_kind(getattr(ckpt.tensors.get(f"blk.0.{n}.weight"), "qtype", -1))
+                 for n in names}  # fmt: skip
+        return (kinds.pop() or dense) if len(kinds) == 1 else dense
 
     h, hd = config.hidden_size, config.head_dim
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd

@@ -55,10 +55,12 @@ def _key(shapes: Shapes) -> str:
     from pathlib import Path
 
     import tinyserve.kernels as kernels
+    from tinyserve.kernels.build import isa_level
 
     folder = Path(kernels.__file__).parent
     kernel_src = (folder / "gemm.c").read_bytes() + (folder / "simd.h").read_bytes()
-    flags = " ".join(sorted(cpu_flags()))
+    # the level the kernels are built for: TINYSERVE_CPU_ISA may lower it on the same CPU
+    flags = f"{isa_level()} " + " ".join(sorted(cpu_flags()))
     h = hashlib.sha256(kernel_src + flags.encode()).hexdigest()[:12]
     layer = ",".join(f"{kind}:{n}x{k}" for kind, n, k in shapes)
     return f"{cpu_model_name()}|{torch.__version__}|{h}|{layer}"

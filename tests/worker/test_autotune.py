@@ -22,6 +22,16 @@ def tiny_llama_dir(tmp_path_factory):
     return save_hf(build_hf(llama_config()), tmp_path_factory.mktemp("llama"))
 
 
+@pytest.fixture
+def measuring(monkeypatch):
+    """Calibrate on any CPU: as if it had native bf16 (else nothing is measured), and trust
+    the timings whatever the machine's load (the load rule has its own tests)."""
+    from tinyserve.worker import device
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(autotune, "BUSY_SHARE", float("inf"))
+
+
 def test_choice_minimises_the_worst_ratio_and_prefers_the_invariant_path():
     k, b = "float32+kernels", "bfloat16"
     # bf16 faster only at prefill, much slower at decode: the kernels win.
@@ -38,7 +48,7 @@ def test_choice_minimises_the_worst_ratio_and_prefers_the_invariant_path():
 
 
 @pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
-def test_calibration_is_measured_once_per_cpu_and_cached(tmp_path, monkeypatch):
+def test_calibration_is_measured_once_per_cpu_and_cached(tmp_path, monkeypatch, measuring):
     monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "_LLC_BYTES", 4 << 20)  # small weights: a fast test
     calls = []
@@ -60,7 +70,9 @@ def test_calibration_is_measured_once_per_cpu_and_cached(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
-def test_engine_logs_the_dtype_choice_and_why(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+def test_engine_logs_the_dtype_choice_and_why(
+    tiny_llama_dir, tmp_path, monkeypatch, caplog, measuring
+):
     from tinyserve.engine.llm_engine import LLMEngine
 
     monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
@@ -107,6 +119,9 @@ def test_calibration_leaves_no_openmp_team_behind(tmp_path):
         "import os\n"
         "from tinyserve.kernels import gemm\n"
         "from tinyserve.worker import autotune\n"
+        "from tinyserve.worker import device\n"
+        "device.cpu_has_native_bf16 = lambda: True  # measure on any CPU\n"
+        "autotune.BUSY_SHARE = float('inf')\n"
         "gemm.library()\n"
         "n = lambda: len(os.listdir('/proc/self/task'))\n"
         "before = n()\n"
@@ -123,3 +138,64 @@ def test_calibration_leaves_no_openmp_team_behind(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = map(int, out.stdout.split())
     assert after == before
+
+
+def test_without_native_bf16_nothing_is_measured(tmp_path, monkeypatch):
+    """bf16 is emulated there (5-10x slower than the kernels at every shape): the kernels,
+    without a measurement a busy machine could get wrong."""
+    from tinyserve.worker import device
+
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(autotune, "_measure", lambda *a: pytest.fail("measured"))
+    c = autotune.choose_cpu_dtype((("q4_1", 256, 128),))
+    assert c.dtype == torch.float32 and "not measured" in c.reason and "bf16" in c.reason
+    assert not (tmp_path / "calibration.json").exists()
+
+
+def _fake_load(monkeypatch, others_per_call: float):
+    """cpu_time_snapshot as if other processes used ``others_per_call`` CPU seconds between
+    two calls (this process: none)."""
+    clock = [0.0]
+
+    def snapshot():
+        clock[0] += others_per_call
+        return clock[0], 0.0
+
+    monkeypatch.setattr(autotune, "cpu_time_snapshot", snapshot)
+
+
+def test_a_disturbed_calibration_is_retried_then_not_trusted(tmp_path, monkeypatch, caplog):
+    from tinyserve.worker import device
+
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    calls = []
+    fast_bf16 = {"float32+kernels": {1: 30.0, 16: 30.0, 128: 40.0},
+                 "bfloat16": {1: 2.0, 16: 20.0, 128: 170.0}}  # fmt: skip
+    monkeypatch.setattr(autotune, "_measure", lambda *a: calls.append(a) or fast_bf16)
+    layer = (("q4_1", 256, 128),)
+    _fake_load(monkeypatch, 1e6)  # others busy on every CPU for the whole sweep
+    with caplog.at_level(logging.WARNING):
+        c = autotune.choose_cpu_dtype(layer)
+    assert c.dtype == torch.float32 and "not cached" in c.reason, c.reason
+    assert len(calls) == 2  # measured once more before giving up
+    assert not (tmp_path / "calibration.json").exists()
+    assert any("calibration disturbed" in r.getMessage() for r in caplog.records)
+    # A quiet machine: the same timings are trusted and cached (here they pick bf16).
+    _fake_load(monkeypatch, 0.0)
+    c = autotune.choose_cpu_dtype(layer)
+    assert c.dtype == torch.bfloat16 and c.reason.startswith("measured in")
+    assert len(calls) == 3 and (tmp_path / "calibration.json").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
+def test_cpu_time_snapshot_sees_another_process_busy():
+    from tinyserve.utils.cpu import cpu_time_snapshot, others_cpu_seconds
+
+    before = cpu_time_snapshot()
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass\n"
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    others = others_cpu_seconds(before, cpu_time_snapshot())
+    assert others is not None and others >= 0.5, others  # the child's ~1 s of CPU
+    assert others_cpu_seconds(None, before) is None

@@ -48,3 +48,39 @@ def usable_cpus() -> int:
     except (OSError, ValueError):
         pass
     return max(1, n)
+
+
+def cpu_time_snapshot() -> tuple[float, float] | None:
+    """(CPU seconds spent busy so far on the CPUs this process may run on, by anyone —
+    hypervisor steal included; CPU seconds this process has used), or None where
+    /proc/stat is not there. Two snapshots tell how much of those CPUs others took meanwhile
+    (``others_cpu_seconds``)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = None
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu":
+                    continue
+                if not name[3:].isdigit():
+                    break
+                if allowed is not None and int(name[3:]) not in allowed:
+                    continue
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+def others_cpu_seconds(before: tuple[float, float] | None, after: tuple[float, float] | None):
+    """CPU seconds that other processes (and the hypervisor) took from our CPUs between two
+    ``cpu_time_snapshot``s; None if either is unknown."""
+    if before is None or after is None:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1]))

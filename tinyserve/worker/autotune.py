@@ -17,6 +17,12 @@ the best candidate over the three shapes; the batch-invariant kernel path keeps 
 unless bf16 beats it by more than 10% (the price we accept for logits that do not move with
 the batch). Results are cached per CPU model, ISA flags, torch version, kernel source and
 shape in ``<cache>/calibration.json``, so later starts cost nothing. ≤ ~2 s cold.
+
+Measured only where bf16 can win: a CPU without native bf16 (no AVX512-BF16 or AMX-BF16)
+takes the kernels without timing anything (its bf16 is emulated). And only trusted on a quiet
+machine: if other processes took more than ``BUSY_SHARE`` of our CPUs during the sweep
+(/proc/stat against our own CPU time), it is measured once more, and if still disturbed the
+kernels run this start and nothing is cached.
 """
 
 from __future__ import annotations
@@ -32,13 +38,20 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.utils.cache import cache_dir
-from tinyserve.utils.cpu import cpu_flags, cpu_model_name
+from tinyserve.utils.cpu import (
+    cpu_flags,
+    cpu_model_name,
+    cpu_time_snapshot,
+    others_cpu_seconds,
+    usable_cpus,
+)
 
 logger = logging.getLogger(__name__)
 
 ROWS = (1, 16, 128)
 KERNEL_PREFERENCE = 1.10  # bf16 must be this much faster to displace the invariant path
 _LLC_BYTES = 64 << 20  # decode weights are streamed from memory: use more than any L3
+BUSY_SHARE = 0.15  # others took more of our CPUs than this during the sweep: not trusted
 
 
 @dataclass(frozen=True)
@@ -114,8 +127,8 @@ def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
 
 def _sweep(candidates: dict, reps: int = 5) -> dict[str, dict[int, float]]:
     """ms per layer, per candidate and row count: the fastest of ``reps`` runs, the candidates
-    taking turns run by run, so that a neighbour's load (it only adds time) hits them alike —
-    a choice made under load is cached for good."""
+    taking turns run by run, so that a neighbour's steady load hits them alike (a heavy
+    one is caught by ``_calibrate``)."""
     out: dict[str, dict[int, float]] = {name: {} for name in candidates}
     with torch.inference_mode():
         for rows in ROWS:
@@ -157,10 +170,42 @@ def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     return pick, f"{pick} is within {worst_ratio[pick]:.2f}x of the best at every shape ({shown})"
 
 
+def _calibrate(shapes: Shapes) -> tuple[dict | None, float, float]:
+    """(timings, seconds, share of our CPUs that others took): timings is None when the
+    machine stayed busy over two tries. Candidates taking turns hit alike by a steady load is
+    not enough: a load that preempts the kernels' OpenMP workers makes every parallel region
+    wait for a scheduler tick (here, a compiler at nice 19 in another session: the kernels'
+    one-row layer 0.7 -> 31 ms, torch's bf16 not always hit), and a choice made so is cached
+    for good: bf16 picked at 13x the cost per token on a CPU that emulates it."""
+    t0 = time.monotonic()
+    share = 0.0
+    for _ in range(2):
+        before, t = cpu_time_snapshot(), time.monotonic()
+        # In a thread of its own that then exits: OpenMP (libgomp) keeps a worker team per
+        # thread that ever ran a parallel region, and with more of its threads alive than
+        # CPUs it stops spinning between regions. The calibration's team, left behind in the
+        # main thread, made every kernel call of the engine thread wake its workers through
+        # the kernel: served TPOT 7 -> 14 ms at one stream here. The team ends with the thread.
+        with ThreadPoolExecutor(1, thread_name_prefix="tinyserve-calibration") as pool:
+            timings = pool.submit(_measure, shapes).result()
+        others = others_cpu_seconds(before, cpu_time_snapshot())
+        share = 0.0 if others is None else others / ((time.monotonic() - t) * usable_cpus())
+        if share <= BUSY_SHARE:
+            return timings, time.monotonic() - t0, share
+    return None, time.monotonic() - t0, share
+
+
 def choose_cpu_dtype(shapes: Shapes) -> Choice:
     """The dtype ``--dtype auto`` resolves to on this CPU for a model whose decoder layer
     makes the matmuls ``shapes`` ((kind, N, K): q4_1, q8_0 or f32 weights), measured once per
-    CPU and cached."""
+    CPU and cached. A CPU without native bf16 is not measured (torch's bf16 GEMM is emulated
+    there, 5-10x slower than the kernels at every shape); a measurement the machine's other
+    load disturbed is not trusted: the kernels this start, nothing cached."""
+    from tinyserve.worker.device import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16():
+        why = "no native bf16 on this CPU (no avx512_bf16/amx_bf16 flag): bf16 would be emulated"
+        return Choice(torch.float32, f"float32+kernels, not measured: {why}", {})
     path = cache_dir() / "calibration.json"
     shapes = tuple(tuple(s) for s in shapes)
     key = _key(shapes)
@@ -170,17 +215,17 @@ def choose_cpu_dtype(shapes: Shapes) -> Choice:
         cache = {}
     entry = cache.get(key)
     if entry is None:
-        t0 = time.monotonic()
-        # In a thread of its own that then exits: OpenMP (libgomp) keeps a worker team per
-        # thread that ever ran a parallel region, and with more of its threads alive than
-        # CPUs it stops spinning between regions. The calibration's team, left behind in the
-        # main thread, made every kernel call of the engine thread wake its workers through
-        # the kernel: served TPOT 7 -> 14 ms at one stream here. The team ends with the thread.
-        with ThreadPoolExecutor(1, thread_name_prefix="tinyserve-calibration") as pool:
-            timings = pool.submit(_measure, shapes).result()
+        timings, seconds, share = _calibrate(shapes)
+        if timings is None:
+            why = (
+                f"float32+kernels, not cached: other processes took {share:.0%} of the CPUs "
+                f"during the calibration ({seconds:.2f} s, two tries), so its timings are not "
+                "trusted; the next start measures again"
+            )
+            logger.warning("dtype calibration disturbed: %s", why)
+            return Choice(torch.float32, why, {})
         pick, why = choose({c: {int(r): v for r, v in t.items()} for c, t in timings.items()})
-        entry = {"pick": pick, "why": why, "timings_ms": timings,
-                 "seconds": round(time.monotonic() - t0, 2)}  # fmt: skip
+        entry = {"pick": pick, "why": why, "timings_ms": timings, "seconds": round(seconds, 2)}
         cache[key] = entry
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

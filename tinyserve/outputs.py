@@ -33,7 +33,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left the engine since the last step (finished or aborted): the runner
-    # drops any per-request state it keeps (e.g. seeded generators).
+    # drops any per-request state it keeps.
     finished_request_ids: list[str] = field(default_factory=list)
     # Constrained decoding: allowed-token bitmask (int32 [rows, ceil(V/32)]) of the requests
     # that sample this step under a grammar, and each one's row in it. Filled by the engine

@@ -42,10 +42,9 @@ def _rows(params_list, masks):
             params=p,
             prompt_token_ids=[1, 2],
             output_token_ids=[],
-            generator=torch.Generator().manual_seed(i) if p.seed is not None else None,
             grammar_bitmask=m,
         )
-        for i, (p, m) in enumerate(zip(params_list, masks, strict=True))
+        for p, m in zip(params_list, masks, strict=True)
     ]
 
 

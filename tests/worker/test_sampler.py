@@ -82,15 +82,13 @@ def make_row(params: SamplingParams, rng: torch.Generator | None = None, **kw) -
         rng = torch.Generator().manual_seed(0)
     prompt = kw.pop("prompt", torch.randint(0, V, (12,), generator=rng).tolist())
     output = kw.pop("output", torch.randint(0, V, (7,), generator=rng).tolist())
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator().manual_seed(params.seed)
-    return SamplingRow(params, prompt, output, gen, **kw)
+    return SamplingRow(params, prompt, output, **kw)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]):
-    meta = SamplingMetadata.build(rows, logits.shape[-1], CPU)
-    return Sampler()(logits, meta), meta
+def sample(logits: torch.Tensor, rows: list[SamplingRow], device: str | torch.device = CPU):
+    device = torch.device(device)
+    meta = SamplingMetadata.build(rows, logits.shape[-1], device)
+    return Sampler()(logits.to(device), meta), meta
 
 
 def random_logits(b: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
@@ -123,11 +121,12 @@ def mixed_rows() -> list[SamplingRow]:
 # -------------------------------------------------------------------------------- the stages
 
 
-def test_processors_match_reference():
+@pytest.mark.device
+def test_processors_match_reference(test_device):
     rows = mixed_rows()
     logits = random_logits(len(rows))
-    meta = SamplingMetadata.build(rows, V, CPU)
-    got = apply_logits_processors(logits.clone(), meta)
+    meta = SamplingMetadata.build(rows, V, torch.device(test_device))
+    got = apply_logits_processors(logits.clone().to(test_device), meta).cpu()
     for i, row in enumerate(rows):
         want = ref_processed_logits(logits[i], row).float()
         assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), i
@@ -303,13 +302,14 @@ def _critical(df: int) -> float:
         SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2),
     ],
 )
-def test_sampling_frequencies_match_softmax(params):
+@pytest.mark.device
+def test_sampling_frequencies_match_softmax(params, test_device):
     torch.manual_seed(1234)
     vocab, n = 12, 40_000
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(4))
-    row = SamplingRow(params, [0, 1, 1], [2, 3], None)
-    out, _ = sample(base.expand(n, vocab).contiguous(), [row] * n)
-    counts = torch.bincount(out.sampled_token_ids, minlength=vocab)
+    row = SamplingRow(params, [0, 1, 1], [2, 3])
+    out, _ = sample(base.expand(n, vocab).contiguous(), [row] * n, test_device)
+    counts = torch.bincount(out.sampled_token_ids.cpu(), minlength=vocab)
     want = ref_probs(ref_processed_logits(base, row), params)
     stat, df = _chi_square(counts, want, n)
     assert stat < _critical(df), (stat, df, counts, want * n)
@@ -319,10 +319,9 @@ def test_seeded_draws_follow_softmax():
     vocab, n = 10, 4000
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(8))
     params = SamplingParams(temperature=1.0, seed=99)
-    gen = torch.Generator().manual_seed(99)
     tokens = []
-    for _ in range(n):
-        row = SamplingRow(params, [0], [], gen)
+    for t in range(n):  # one request's positions 0 .. n-1: the noise is per position
+        row = SamplingRow(params, [0], [0] * t)
         meta = SamplingMetadata.build([row], vocab, CPU)
         tokens.append(Sampler()(base.unsqueeze(0), meta).sampled_token_ids)
     counts = torch.bincount(torch.cat(tokens), minlength=vocab)
@@ -338,26 +337,25 @@ def _step_logits(request: int, step: int) -> torch.Tensor:
     return torch.randn(V, generator=g) * 1.5
 
 
-def _run(requests: list[tuple[int, SamplingParams]], steps: int) -> dict[int, list[int]]:
-    """Decode ``steps`` tokens for each (id, params) as the runner would: one generator per
-    seeded request, one build per step."""
-    gens = {rid: torch.Generator().manual_seed(p.seed) for rid, p in requests if p.seed is not None}
+def _run(
+    requests: list[tuple[int, SamplingParams]], steps: int, device: str = "cpu"
+) -> dict[int, list[int]]:
+    """Decode ``steps`` tokens for each (id, params) as the runner would: one build per
+    step, each row's history its own outputs so far."""
     outputs: dict[int, list[int]] = {rid: [] for rid, _ in requests}
     sampler = Sampler()
     for step in range(steps):
-        rows = [
-            SamplingRow(p, [rid, rid + 1], list(outputs[rid]), gens.get(rid), (0,))
-            for rid, p in requests
-        ]
-        logits = torch.stack([_step_logits(rid, step) for rid, _ in requests])
-        meta = SamplingMetadata.build(rows, V, CPU)
+        rows = [SamplingRow(p, [rid, rid + 1], list(outputs[rid]), (0,)) for rid, p in requests]
+        logits = torch.stack([_step_logits(rid, step) for rid, _ in requests]).to(device)
+        meta = SamplingMetadata.build(rows, V, torch.device(device))
         sampled = sampler(logits, meta).sampled_token_ids.tolist()
         for (rid, _), tok in zip(requests, sampled, strict=True):
             outputs[rid].append(tok)
     return outputs
 
 
-def test_seed_is_independent_of_batch():
+@pytest.mark.device
+def test_seed_is_independent_of_batch(test_device):
     seeded = SamplingParams(temperature=1.0, seed=1234, top_p=0.95, frequency_penalty=0.3)
     others = [
         SamplingParams(temperature=1.0),
@@ -370,17 +368,17 @@ def test_seed_is_independent_of_batch():
     ]
     steps = 12
     torch.manual_seed(0)
-    alone = _run([(3, seeded)], steps)[3]
+    alone = _run([(3, seeded)], steps, test_device)[3]
     torch.manual_seed(1)  # unseeded rows draw differently; the seeded one must not care
     batch = [(100 + i, p) for i, p in enumerate(others)]
     batch.insert(3, (3, seeded))
-    together = _run(batch, steps)
+    together = _run(batch, steps, test_device)
     assert together[3] == alone
     torch.manual_seed(2)
-    assert _run(list(reversed(batch)), steps)[3] == alone
+    assert _run(list(reversed(batch)), steps, test_device)[3] == alone
     # Not vacuous: another seed takes another path.
     other_seed = SamplingParams(temperature=1.0, seed=4321, top_p=0.95, frequency_penalty=0.3)
-    assert _run([(3, other_seed)], steps)[3] != alone
+    assert _run([(3, other_seed)], steps, test_device)[3] != alone
 
 
 # ---------------------------------------------------------------------------------- logprobs

@@ -114,8 +114,10 @@ class AttentionMetadata:
                 block_size,
                 device,
                 dtype,
+                max(query_lens[i] for i in rows),
+                max(seq_lens[i] for i in rows),
             )
-            for idx in _decode_then_prefill_rows(query_lens)
+            for rows, idx in _decode_then_prefill_rows(query_lens)
         ]
         return cls(
             steps.slot_mapping.to(device),
@@ -183,13 +185,13 @@ class _StepTensors:
         return cls(tables, q_lens, s_lens, starts, seq_of_token, slot_mapping)
 
 
-def _decode_then_prefill_rows(query_lens: list[int]) -> list[torch.Tensor]:
+def _decode_then_prefill_rows(query_lens: list[int]) -> list[tuple[list[int], torch.Tensor]]:
     """The torch path's groups: the single-token rows, then the others (each if any)."""
     groups = []
     for is_decode in (True, False):
         rows = [i for i, ql in enumerate(query_lens) if (ql == 1) == is_decode]
         if rows:
-            groups.append(torch.tensor(rows, dtype=torch.int64))
+            groups.append((rows, torch.tensor(rows, dtype=torch.int64)))
     return groups
 
 
@@ -201,12 +203,17 @@ def _build_group(
     block_size: int,
     device: torch.device | str,
     dtype: torch.dtype,
+    max_q: int,  # the group's longest query and context, from the step's lists (no tensor
+    max_s: int,  # read: on a GPU each would wait for the device)
 ) -> AttentionGroup:
-    max_q = int(q_lens.max())
-    max_blocks = -(-int(s_lens.max()) // block_size)
+    max_blocks = -(-max_s // block_size)
     q_pos = torch.arange(max_q)
     valid = q_pos[None, :] < q_lens[:, None]  # [n, max_q], False for padding
     token_index = torch.where(valid, starts[:, None] + q_pos[None, :], 0)
+    # The real queries, row-major, by arithmetic (no nonzero(): a data-dependent shape would
+    # be a device sync wherever this runs on one): sequence i's j-th query.
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    j = torch.arange(len(seq)) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
     # Absolute position of each query row; padding rows get the last real position so
     # their mask row is never empty (an all-False row would give NaN).
     abs_pos = (s_lens - q_lens)[:, None] + torch.minimum(q_pos[None, :], (q_lens - 1)[:, None])
@@ -216,8 +223,8 @@ def _build_group(
     )
     return AttentionGroup(
         token_index=token_index.to(device),
-        out_rows=token_index[valid].to(device),
-        valid_index=valid.view(-1).nonzero().squeeze(1).to(device),
+        out_rows=(starts[seq] + j).to(device),
+        valid_index=(seq * max_q + j).to(device),
         block_tables=tables[:, :max_blocks].contiguous().to(device),
         attn_mask=torch.zeros(visible.shape, dtype=dtype)
         .masked_fill_(~visible, float("-inf"))

@@ -18,6 +18,9 @@ from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from tinyserve.worker.kv_cache import allocate_kv_cache
 from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+from tinyserve.worker.staging import HostToDevice, tensors_of, with_tensors
+
+_HOST = torch.device("cpu")  # where the step's inputs are built, before the one copy
 
 
 @dataclass
@@ -33,7 +36,8 @@ class StepInput:
 
 
 class ModelRunner:
-    """Owns the model, the KV-cache tensors and the seeded generators of live requests."""
+    """Owns the model and the KV-cache tensors (seeded sampling keeps no state: its noise is
+    a function of the seed and the position, worker/sampler.py)."""
 
     def __init__(
         self,
@@ -52,13 +56,10 @@ class ModelRunner:
             self.config, num_blocks, block_size, model.dtype, device, tp_size=self.tp.size
         )
         self.sampler = Sampler()
-        # request_id -> CPU generator, seeded once with the request's seed.
-        self.generators: dict[str, torch.Generator] = {}
+        self.to_device = HostToDevice(device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in sched.finished_request_ids:
-            self.generators.pop(rid, None)
         if not sched.scheduled:
             return ModelRunnerOutput()
         input_ids: list[int] = []
@@ -89,27 +90,29 @@ class ModelRunner:
                 sampling.append((req, spec))
                 decode_rows += 0 if prompt else n
         step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs)
-        hidden = self.forward(step)  # [num_tokens, hidden]
         if not sampling:
+            self.forward(step)
             return ModelRunnerOutput()
-        idx = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_rows, vocab]
+        # The sampler's inputs are built before the forward, so that one copy takes every
+        # host-built tensor of the step to the device (worker/staging.py).
         rows = [row for req, spec in sampling for row in self._rows(sched, req, spec)]
-        smeta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        smeta = SamplingMetadata.build(rows, self.config.vocab_size, _HOST)
+        idx = torch.tensor(logits_indices, dtype=torch.int64)
+        hidden, extra = self._forward(step, [idx, *tensors_of(smeta)])  # [num_tokens, hidden]
+        idx, smeta = extra[0], with_tensors(smeta, iter(extra[1:]))
+        logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_rows, vocab]
         out = self.sampler(logits, smeta)
         return self._to_host(sampling, out)
 
     def _rows(self, sched: SchedulerOutput, req, spec: list[int]) -> list[SamplingRow]:
         """A request's sampling rows: one, or with drafts one per position, each with the
-        history plain decoding would have there (penalties and min_tokens see the drafts
-        before it)."""
-        generator = self._generator(req)
+        history plain decoding would have there (penalties, min_tokens and the seeded noise
+        see the drafts before it)."""
         return [
             SamplingRow(
                 params=req.sampling_params,
                 prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids + spec[:j] if j else req.output_token_ids,
-                generator=generator,
                 eos_token_ids=req.eos_token_ids,
                 grammar_bitmask=_grammar_row(sched, req.request_id, j),
             )
@@ -120,6 +123,13 @@ class ModelRunner:
     def forward(self, step: StepInput) -> torch.Tensor:
         """The model over one flat batch -> hidden states [num_tokens, hidden]. On the driver
         under tensor parallel, first hands the batch to the other ranks."""
+        return self._forward(step, [])[0]
+
+    def _forward(
+        self, step: StepInput, extra: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward``, taking the host tensors ``extra`` to the device in the same copy as
+        the step's own inputs; returns them there."""
         if self.tp.size > 1 and self.tp.is_driver:
             self.tp.broadcast(step)
         meta = AttentionMetadata.build(
@@ -127,30 +137,24 @@ class ModelRunner:
             step.seq_lens,
             step.block_tables,
             self.block_size,
-            self.device,
+            _HOST,
             self.model.dtype,
             use_kernel=self.model.attention_backend == "kernel",
             num_decode_seqs=step.num_decode_seqs,
         )
-        ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
-        return self.model(ids, pos, self.kv_caches, meta)
+        ids = torch.tensor(step.input_ids, dtype=torch.int64)
+        pos = torch.tensor(step.positions, dtype=torch.int64)
+        if self.to_device.pack:  # one transfer for the whole step (not on a CPU)
+            staged = iter(self.to_device([ids, pos, *tensors_of(meta), *extra]))
+            ids, pos = next(staged), next(staged)
+            meta = with_tensors(meta, staged)
+            extra = list(staged)
+        return self.model(ids, pos, self.kv_caches, meta), extra
 
     def serve_driver(self) -> None:
         """Ranks > 0: run every step the driver broadcasts, until it sends None."""
         while (step := self.tp.broadcast()) is not None:
             self.forward(step)
-
-    def _generator(self, req) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed % (2**63))
-            self.generators[req.request_id] = gen
-        return gen
 
     @staticmethod
     def _to_host(sampling: list, out) -> ModelRunnerOutput:
@@ -162,11 +166,7 @@ class ModelRunner:
         next token. With a point-mass proposer this is the standard acceptance rule: draft x
         is accepted with probability p(x), and on rejection the token is drawn from p with x
         removed and renormalised. Greedy: kept while the draft is the argmax."""
-        tokens = out.sampled_token_ids.tolist()
-        lps = top_ids = top_lps = None
-        if out.logprobs is not None:
-            lps, top_ids = out.logprobs.tolist(), out.top_token_ids.tolist()
-            top_lps = out.top_logprobs.tolist()
+        tokens, lps, top_ids, top_lps = _read_back(out)
         result = ModelRunnerOutput()
         row = 0
         for req, spec in sampling:
@@ -184,6 +184,22 @@ class ModelRunner:
                 ]  # fmt: skip
             row += 1 + len(spec)
         return result
+
+
+def _read_back(out) -> tuple[list[int], list | None, list | None, list | None]:
+    """The step's one device->host transfer: the sampled ids, and the logprobs with them when
+    asked for (one float64 matrix [B, 2 + 2k]: ids and top ids are exact in float64, and so
+    are float32 logprobs), so that a GPU waits for the device once per step."""
+    ids = out.sampled_token_ids
+    if out.logprobs is None:
+        return ids.tolist(), None, None, None
+    k = out.top_token_ids.shape[1]
+    parts = (ids[:, None], out.logprobs[:, None], out.top_token_ids, out.top_logprobs)
+    rows = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()
+    tokens = [int(r[0]) for r in rows]
+    lps = [r[1] for r in rows]
+    top_ids = [[int(t) for t in r[2 : 2 + k]] for r in rows]
+    return tokens, lps, top_ids, [r[2 + k :] for r in rows]
 
 
 def _decodes(item) -> bool:

@@ -4,10 +4,13 @@ Contract with the model runner:
 - The runner builds one ``SamplingMetadata`` per step from the rows that sample (one row of the
   logits per request), then calls ``Sampler()(logits, meta)``. The sampler never calls
   ``.item()``/``.tolist()``: the runner does the single device->host copy of ``SamplerOutput``.
-- A seeded request's ``torch.Generator`` (CPU) is owned by the runner, seeded once with
-  ``params.seed`` and passed again every step; the sampler advances it by exactly one draw of
-  ``V`` exponentials per step in which the row samples randomly, so its tokens depend only on
-  its seed and its own history, never on the rest of the batch.
+- A seeded row's noise is a function of (seed, position, token) only — counter-based, as
+  JAX's and Philox-style generators are: an integer hash of the seed and the row's output
+  position (``len(output_token_ids)``) gives a 32-bit key, and hashing the key with each token
+  id gives V uniforms, computed on the logits' device (no host generator, no host->device
+  copy of V values). Its tokens depend only on its seed and its own history, never on the
+  batch, the step it lands in, preemption, or speculative decoding (a draft row at position
+  t draws exactly what plain decoding draws at t).
 - Logprobs are those of the RAW model logits (before bias, penalties, temperature), as vLLM
   returns by default.
 
@@ -18,7 +21,7 @@ distribution) -> logit_bias -> min_tokens -> repetition / frequency / presence p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,8 +37,7 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None  # set iff params.seed is not None; CPU generator
+    output_token_ids: list[int]  # its length is the position sampled (the seeded noise's)
     eos_token_ids: tuple[int, ...] = ()
     # Constrained decoding: this row's allowed-token bitmask (int32 [ceil(V/32)]), or None.
     grammar_bitmask: torch.Tensor | None = None
@@ -68,8 +70,8 @@ class SamplingMetadata:
     # [B, L] int64, padded with vocab_size; only rows that use them are filled.
     prompt_token_ids: torch.Tensor | None = None  # rows with repetition_penalty != 1
     output_token_ids: torch.Tensor | None = None  # rows with any penalty
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # random rows only
-    seeded_rows: torch.Tensor | None = None  # [num_seeded] int64, the keys of generators, in order
+    seeded_rows: torch.Tensor | None = None  # [S] int64: the random rows with a seed
+    seed_keys: torch.Tensor | None = None  # [S] int64 32-bit keys of (seed, position)
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
     # Constrained rows and their allowed-token bitmasks: ([k] int64, int32 [k, ceil(V/32)]).
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -118,8 +120,8 @@ class SamplingMetadata:
             min_tokens_mask=(i64(c.mask_rows), i64(c.mask_toks)) if c.mask_rows else None,
             prompt_token_ids=None if no_penalties else _pad(c.prompts, V, device),
             output_token_ids=None if no_penalties else _pad(c.outputs, V, device),
-            generators=c.generators,
-            seeded_rows=i64(list(c.generators)) if c.generators else None,
+            seeded_rows=i64(c.seeded_rows) if c.seeded_rows else None,
+            seed_keys=i64(c.seed_keys) if c.seeded_rows else None,
             max_num_logprobs=c.max_num_logprobs,
             grammar=(i64(c.grammar_rows), torch.stack(c.grammar_masks).to(device))
             if c.grammar_rows
@@ -137,7 +139,8 @@ class _Columns:
         self.mask_rows, self.mask_toks = [], []
         self.prompts: list[list[int]] = []
         self.outputs: list[list[int]] = []
-        self.generators: dict[int, torch.Generator] = {}
+        self.seeded_rows: list[int] = []
+        self.seed_keys: list[int] = []
         self.max_num_logprobs: int | None = None
         self.grammar_rows: list[int] = []
         self.grammar_masks: list[torch.Tensor] = []
@@ -167,8 +170,9 @@ class _Columns:
             for tok in sorted(stop):
                 self.mask_rows.append(i)
                 self.mask_toks.append(tok)
-        if not is_greedy and row.generator is not None:
-            self.generators[i] = row.generator
+        if not is_greedy and p.seed is not None:
+            self.seeded_rows.append(i)
+            self.seed_keys.append(seed_key(p.seed, len(row.output_token_ids)))
         if p.logprobs is not None:
             self.max_num_logprobs = max(self.max_num_logprobs or 0, p.logprobs)
         if row.grammar_bitmask is not None:
@@ -321,17 +325,55 @@ def apply_top_k_top_p(
 
 def exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1): an exact draw from ``probs`` per row. Unseeded rows
-    share one batched draw; each seeded row draws V values from its own CPU generator."""
-    B, V = probs.shape
+    share one batched draw from the device's generator; seeded rows take counter-based noise
+    (:func:`seeded_exponentials`)."""
     if meta.seeded_rows is None:
         q = torch.empty_like(probs).exponential_()  # [B, V]
     else:
-        draws = [torch.empty(V).exponential_(generator=g) for g in meta.generators.values()]
-        seeded_q = torch.stack(draws).to(probs.device)  # [num_seeded, V]
-        if len(draws) == B:
+        seeded_q = seeded_exponentials(meta.seed_keys, probs.shape[1])  # [S, V]
+        if seeded_q.shape[0] == probs.shape[0]:
             q = seeded_q
         else:
             q = torch.empty_like(probs).exponential_()
             q[meta.seeded_rows] = seeded_q
     q.clamp_min_(_MIN_EXP_NOISE)
     return probs.div_(q).argmax(dim=-1)  # [B]
+
+
+# -- counter-based noise of seeded rows ---------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A bijective 32-bit integer hash (Wellons' lowbias32 shape, both multipliers below
+    2^31 so that a 32-bit value times one fits an int64 tensor). Works on Python ints and on
+    int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x4A6CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int, position: int) -> int:
+    """The 32-bit key of a seeded row sampling output position ``position`` (host side)."""
+    s = seed % 2**64
+    k = _mix32(_mix32(s & _M32) ^ ((s >> 32) & _M32))
+    return _mix32(k ^ _mix32((position + 0x9E3779B9) & _M32))
+
+
+_TOKEN_HASH: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def seeded_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S] int64 keys -> [S, V] float32 Exp(1) noise on ``keys``' device: u = (h + 1/2) / 2^32
+    with h = mix(key ^ mix(token)), then q = -log(u) (in float64, then rounded)."""
+    cache_key = (vocab_size, str(keys.device))
+    tokens = _TOKEN_HASH.get(cache_key)
+    if tokens is None:
+        ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+        tokens = _TOKEN_HASH[cache_key] = _mix32((ids * 0x9E3779B9) & _M32)
+    h = _mix32(keys[:, None] ^ tokens[None, :])  # [S, V] in [0, 2^32)
+    u = (h.to(torch.float64) + 0.5) * (1.0 / 2**32)
+    return u.log_().neg_().to(torch.float32)

@@ -33,3 +33,16 @@ def smollm2_tokenizer(smollm2_gguf_path):
     from tinyserve.models.default_model import tokenizer_dir_for
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir_for(smollm2_gguf_path)))
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    """The device of the tests marked ``device`` (``TINYSERVE_TEST_DEVICE``, default cpu;
+    tinyserve/testing/device.py); they skip, saying why, where it is absent."""
+    from tinyserve.testing.device import device_under_test, unavailable_reason
+
+    name = device_under_test()
+    reason = unavailable_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    return name

@@ -132,9 +132,13 @@ def tiny_alone(tiny_qwen2_path):
     return _tokens(run_alone(engine, TINY_REQUESTS))
 
 
-def test_tiny_qwen2_batched_equals_sequential(tiny_qwen2_path, tiny_alone):
+@pytest.mark.device
+def test_tiny_qwen2_batched_equals_sequential(tiny_qwen2_path, tiny_alone, test_device):
+    """Batched on the test device = alone on the CPU (greedy, token for token)."""
     # A small token budget: long prompts are chunked and share steps with decodes.
-    engine = tiny_engine(tiny_qwen2_path, enable_prefix_caching=False, max_num_batched_tokens=64)
+    engine = tiny_engine(
+        tiny_qwen2_path, enable_prefix_caching=False, max_num_batched_tokens=64, device=test_device
+    )
     batched = run_batch(engine, TINY_REQUESTS)
     for rid, _, params in TINY_REQUESTS:
         c = batched[rid]

@@ -87,14 +87,15 @@ def _run_staggered(engine, prompts, tag):
 
 
 @pytest.mark.slow
-def test_shared_system_prompt_hits_and_identical_outputs(smol_path, smol_engine, chat_prompts):
-    off_engine = build_engine(
-        model=smol_path, num_blocks=256, block_size=BLOCK_SIZE, enable_prefix_caching=False
-    )
+@pytest.mark.device
+def test_shared_system_prompt_hits_and_identical_outputs(smol_path, chat_prompts, test_device):
+    kw = dict(model=smol_path, num_blocks=256, block_size=BLOCK_SIZE, device=test_device)
+    off_engine = build_engine(enable_prefix_caching=False, **kw)
     off, off_delta = _run_staggered(off_engine, chat_prompts, "off")
     assert off_delta == (0, 0)
 
-    on, (queries, hits) = _run_staggered(smol_engine, chat_prompts, "on")
+    on_engine = build_engine(**kw)
+    on, (queries, hits) = _run_staggered(on_engine, chat_prompts, "on")
     for i in range(len(chat_prompts)):
         assert on[f"on{i}"].token_ids == off[f"off{i}"].token_ids, f"request {i}"
         assert len(on[f"on{i}"].token_ids) == MAX_TOKENS[i]
@@ -112,11 +113,11 @@ def test_shared_system_prompt_hits_and_identical_outputs(smol_path, smol_engine,
     assert on["on6"].num_cached_tokens == (len(chat_prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
     # Everything again, all prompts cached now: still the same tokens.
-    again, (queries2, hits2) = _run_staggered(smol_engine, chat_prompts, "again")
+    again, (queries2, hits2) = _run_staggered(on_engine, chat_prompts, "again")
     for i in range(len(chat_prompts)):
         assert again[f"again{i}"].token_ids == off[f"off{i}"].token_ids, f"request {i}"
     assert hits2 == queries2  # every full block of every prompt (but the last token's)
     assert (
-        smol_engine.core.kv_cache_manager.num_free_blocks
-        == smol_engine.core.kv_cache_manager.num_total_blocks
+        on_engine.core.kv_cache_manager.num_free_blocks
+        == on_engine.core.kv_cache_manager.num_total_blocks
     )

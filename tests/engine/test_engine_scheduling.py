@@ -29,8 +29,9 @@ def _tokens(collector) -> dict[str, list[int]]:
 # ---------------------------------------------------------------- preemption
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_tiny_qwen2_preemption_keeps_outputs(tiny_qwen2_path, prefix_caching):
+def test_tiny_qwen2_preemption_keeps_outputs(tiny_qwen2_path, prefix_caching, test_device):
     # 12 requests of up to 9 blocks each (block_size 4) against a pool of 24 blocks.
     requests = [
         (f"p{i}", random_prompt(6 + (5 * i) % 17, seed=300 + i), greedy(10 + (3 * i) % 11))
@@ -38,7 +39,8 @@ def test_tiny_qwen2_preemption_keeps_outputs(tiny_qwen2_path, prefix_caching):
     ]
     need = [-(-(len(p) + sp.max_tokens) // 4) for _, p, sp in requests]
     assert max(need) <= 24 < sum(need)
-    kw = dict(block_size=4, enable_prefix_caching=prefix_caching, max_num_batched_tokens=64)
+    kw = dict(block_size=4, enable_prefix_caching=prefix_caching, max_num_batched_tokens=64,
+              device=test_device)  # fmt: skip
     ref = run_batch(tiny_engine(tiny_qwen2_path, num_blocks=512, **kw), requests)
     assert all(c[0].finish_reason == "length" for c in ref.choices.values())
 

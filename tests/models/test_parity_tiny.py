@@ -84,10 +84,11 @@ def test_llama3_scaling_matters_at_the_tested_positions(llama_ckpt):
     assert diff[PROMPT_LEN:].min() > 1e-2, diff
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("seed", [0, 1])
-def test_prefill_and_teacher_forced_decode_match_transformers(ckpt, seed):
+def test_prefill_and_teacher_forced_decode_match_transformers(ckpt, seed, test_device):
     path, hf = ckpt
-    ours, _ = load_model(path, dtype=torch.float32)
+    ours, _ = load_model(path, dtype=torch.float32, device=torch.device(test_device))
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, seed)
     expected = hf_logits(hf, tokens)
     runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=seed)
@@ -105,12 +106,13 @@ def test_prefill_and_teacher_forced_decode_match_transformers(ckpt, seed):
     assert table != list(range(table[0], table[0] + len(table)))  # not one contiguous run
 
 
-def test_batched_step_matches_each_sequence_alone(ckpt):
+@pytest.mark.device
+def test_batched_step_matches_each_sequence_alone(ckpt, test_device):
     """One flat step mixing a prefill chunk with a cached prefix (starting at a block
     boundary), a chunk with an unaligned prefix and decode rows gives each sequence the logits
     it gets when run alone."""
     path, hf = ckpt
-    ours, _ = load_model(path, dtype=torch.float32)
+    ours, _ = load_model(path, dtype=torch.float32, device=torch.device(test_device))
     a, b, c = random_tokens(19, 10), random_tokens(11, 11), random_tokens(9, 12)
     # Per sequence, the chunk it contributes to each step.
     plan = {

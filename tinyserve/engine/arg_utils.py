@@ -17,7 +17,9 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: int | str = "1GiB"
+    # None: 1 GiB on a CPU / MPS; on CUDA what gpu_memory_utilization leaves (worker/memory.py)
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the card the engine may take
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
@@ -34,8 +36,8 @@ class EngineArgs:
     speculative_config: str | dict | None = None
 
     @property
-    def kv_cache_bytes(self) -> int:
-        return parse_size(self.kv_cache_memory)
+    def kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -65,7 +67,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)"
     )
     parser.add_argument(
-        "--kv-cache-memory", default=d.kv_cache_memory, help="KV cache budget, e.g. 2GiB"
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache budget, e.g. 2GiB (default: 1GiB on a CPU; on CUDA what "
+        "--gpu-memory-utilization leaves after a profiling forward of the largest step)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="CUDA: the share of the GPU's memory for weights, activations and KV cache",
     )
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

@@ -108,7 +108,7 @@ class Executor:
         cache_config = CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_bytes,
+            kv_cache_memory=self._kv_budget(args, tp),
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.num_blocks = num_blocks_for(self.model_config, cache_config, self.dtype, tp.size)
@@ -123,6 +123,26 @@ class Executor:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.model_config, args.block_size, self.dtype, tp.size
         )
+
+    def _kv_budget(self, args: EngineArgs, tp) -> int:
+        """--kv-cache-memory, else 1 GiB (CPU, MPS) or, on CUDA, what a profiling forward of
+        the largest step leaves of --gpu-memory-utilization (worker/memory.py; also the
+        warm-up). With --num-blocks given the budget is unused."""
+        from tinyserve.worker import memory
+
+        given = args.kv_cache_bytes
+        if tp.device.type != "cuda":
+            return given if given is not None else memory.DEFAULT_KV_CACHE_BYTES
+        try:
+            budget = memory.cuda_kv_budget(
+                self.model, tp.device, args.block_size, args.max_num_batched_tokens,
+                args.max_num_seqs, args.gpu_memory_utilization,
+            )  # fmt: skip
+        except ValueError:
+            if given is None and args.num_blocks is None:
+                raise
+            budget = 0  # sized by the flags; the profiling run was the warm-up
+        return given if given is not None else max(budget, 1)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

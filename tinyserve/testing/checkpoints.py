@@ -138,6 +138,29 @@ def smollm2_shaped(dest: Path) -> Path:
     return write_checkpoint(dest, config, seed=0)
 
 
+def smollm2_like_config(**over):
+    """SmolLM2-135M-Instruct's exact shape: 30 layers, 9 heads of 64, 3 KV heads, tied
+    embeddings, its RoPE base and vocabulary."""
+    return llama_config(**{**dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                  num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, max_position_embeddings=8192,
+                                  rope_theta=100000.0, rms_norm_eps=1e-5,
+                                  initializer_range=0.02), **over})  # fmt: skip
+
+
+def smollm2_like(dest: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Path:
+    """A :func:`smollm2_like_config` checkpoint with random weights and SmolLM2's tokenizer
+    and chat template: what scripts/gpu_check.sh serves where the 98 MB GGUF cannot travel
+    (``over``: config fields to change, e.g. fewer layers for its CPU dry run). Idempotent."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = smollm2_like_config(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **over
+    )
+    return write_checkpoint(dest, config, seed, tokenizer_dir=Path(tokenizer_dir))
+
+
 # -- inputs and references --------------------------------------------------------------------
 
 

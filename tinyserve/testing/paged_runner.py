@@ -19,8 +19,9 @@ class PagedRunner:
     def __init__(self, model, block_size: int, num_blocks: int = 256, seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
+        self.device = model.model.embed_tokens.weight.device  # the model's device
         self.kv_caches = allocate_kv_cache(
-            model.config, num_blocks, block_size, model.dtype, tp_size=model.tp.size
+            model.config, num_blocks, block_size, model.dtype, self.device, model.tp.size
         )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -33,7 +34,8 @@ class PagedRunner:
         """``chunks``: (sequence id, its new token ids) in batch order; ``decode``: the
         sequences whose new tokens are generated ones (the model runner puts them first in
         the flat batch, as here, and the linear layers may give them their own kernel).
-        Returns, per chunk, the float32 logits of every new token: [len(new tokens), vocab]."""
+        Returns, per chunk, the float32 logits of every new token: [len(new tokens), vocab],
+        on the CPU whatever the model's device."""
         order = sorted(range(len(chunks)), key=lambda i: chunks[i][0] not in decode)
         num_decode = sum(1 for seq, _ in chunks if seq in decode)
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
@@ -50,16 +52,16 @@ class PagedRunner:
             tables.append(list(table))
             self.num_computed[seq] = end
         meta = AttentionMetadata.build(
-            query_lens, seq_lens, tables, self.block_size,
+            query_lens, seq_lens, tables, self.block_size, self.device, self.model.dtype,
             use_kernel=self.model.attention_backend == "kernel", num_decode_seqs=num_decode,
         )  # fmt: skip
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_caches,
             meta,
         )
-        logits = self.model.compute_logits(hidden, meta.num_decode_tokens)
+        logits = self.model.compute_logits(hidden, meta.num_decode_tokens).cpu()
         rows = logits.split(query_lens)
         out: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
         for pos, i in enumerate(order):

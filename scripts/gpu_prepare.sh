@@ -14,11 +14,12 @@ PY=${PYTHON:-python}
 mkdir -p "$DEST/wheels" "$DEST/tokenizer"
 # Exact names: these are what the GPU image lacks (the device tool's KINDS.md lists what it
 # holds: anyio, h11, httpx, jinja2, prometheus-client, numpy, safetensors, tokenizers ...).
+# The versions this venv runs (tested together), as CPython 3.12 wheels.
+pins=$("$PY" -c "from importlib.metadata import version as v; print(' '.join(f'{n}=={v(n)}' for n in ['fastapi', 'starlette', 'uvicorn', 'sse-starlette', 'pydantic', 'pydantic-core', 'annotated-types', 'typing-inspection', 'gguf', 'llguidance', 'pytest-timeout']))")
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  --dest "$DEST/wheels" \
-  fastapi starlette uvicorn sse-starlette pydantic pydantic-core annotated-types \
-  typing-inspection gguf llguidance pytest-timeout 2>&1 | grep -v "^WARNING: Location" || true
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --dest "$DEST/wheels" $pins 2>&1 \
+  | grep -v "^WARNING: Location" || true
 ls "$DEST/wheels"
 tok=$("$PY" - <<'EOF'
 from tinyserve.models.default_model import ensure_default_model, tokenizer_dir_for

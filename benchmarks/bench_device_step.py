@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import steady_decode  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
@@ -31,7 +32,6 @@ import torch  # noqa: E402
 
 from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
 from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
-from tinyserve.sampling_params import SamplingParams  # noqa: E402
 
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 SCALAR_READ = "aten::_local_scalar_dense"
@@ -40,19 +40,6 @@ SCALAR_READ = "aten::_local_scalar_dense"
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def steady_decode(engine: LLMEngine, batch: int, steps: int) -> None:
-    """``batch`` requests, prompts computed: every later step is pure decode."""
-    for i in range(batch):
-        prompt = [1] + [300 + (7 * i + j) % 5000 for j in range(24)]
-        params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True)
-        engine.add_request(f"b{batch}-{i}", prompt, params)
-    sched = engine.core.scheduler
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
-        engine.step()
-    for _ in range(3):
-        engine.step()
 
 
 def count_events(engine: LLMEngine, steps: int, device: torch.device) -> dict:
@@ -82,7 +69,7 @@ def count_events(engine: LLMEngine, steps: int, device: torch.device) -> dict:
 
 
 def measure(engine: LLMEngine, batch: int, steps: int, device: torch.device) -> dict:
-    steady_decode(engine, batch, steps)
+    steady_decode(engine, batch, 3 * steps + 16, warm_steps=3)  # timed + profiled steps
     times = []
     for _ in range(steps):
         t = time.perf_counter()

@@ -85,6 +85,20 @@ def kernel_floor_ms(model, batch: int, iters: int) -> float:
     return _median_ms(run, iters)
 
 
+def steady_decode(engine: LLMEngine, batch: int, max_tokens: int, warm_steps: int = 2) -> None:
+    """``batch`` greedy requests of 25-token prompts, stepped until every prompt is computed
+    (and ``warm_steps`` more): every later step is a pure decode of ``batch`` rows."""
+    for i in range(batch):
+        prompt = [1] + [300 + (7 * i + j) % 5000 for j in range(24)]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    sched = engine.core.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+
+
 def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
     runner = engine.executor.runner
     model = runner.model
@@ -101,19 +115,7 @@ def step_anatomy(engine: LLMEngine, batch: int, steps: int) -> dict:
 
         return wrapper
 
-    for i in range(batch):
-        prompt = [1] + [300 + (7 * i + j) % 5000 for j in range(24)]
-        engine.add_request(
-            f"b{batch}-{i}",
-            prompt,
-            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
-        )
-    while any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.requests.values()
-    ):
-        engine.step()
-    for _ in range(2):
-        engine.step()
+    steady_decode(engine, batch, steps + 8)
     step_times = []
     model.forward = timed(originals["forward"], "model")
     model.compute_logits = timed(originals["compute_logits"], "model")

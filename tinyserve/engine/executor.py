@@ -141,8 +141,8 @@ class Executor:
         except ValueError:
             if given is None and args.num_blocks is None:
                 raise
-            budget = 0  # sized by the flags; the profiling run was the warm-up
-        return given if given is not None else max(budget, 1)
+            budget = memory.DEFAULT_KV_CACHE_BYTES  # unused: the flags size the cache
+        return given if given is not None else budget
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -210,8 +210,10 @@ def _build_group(
     q_pos = torch.arange(max_q)
     valid = q_pos[None, :] < q_lens[:, None]  # [n, max_q], False for padding
     token_index = torch.where(valid, starts[:, None] + q_pos[None, :], 0)
-    # The real queries, row-major, by arithmetic (no nonzero(): a data-dependent shape would
-    # be a device sync wherever this runs on one): sequence i's j-th query.
+    # The real queries, row-major, by arithmetic: sequence i's j-th query. No nonzero() or
+    # boolean indexing: shapes that depend on data, which would make a device wait if this
+    # were built there (it is built on the host and staged, worker/staging.py), and which
+    # tests/worker/test_step_syncs.py counts on the hot path.
     seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
     j = torch.arange(len(seq)) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
     # Absolute position of each query row; padding rows get the last real position so

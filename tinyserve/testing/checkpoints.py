@@ -130,14 +130,6 @@ def build_fuzz_model(dest: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     return write_checkpoint(dest, config, seed, tokenizer_dir=Path(tokenizer_dir))
 
 
-def smollm2_shaped(dest: Path) -> Path:
-    """SmolLM2's shape with 8 heads of 72 and 4 KV heads (random weights, no tokenizer)."""
-    config = llama_config(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                          num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
-                          max_position_embeddings=2048, initializer_range=0.02)  # fmt: skip
-    return write_checkpoint(dest, config, seed=0)
-
-
 def smollm2_like_config(**over):
     """SmolLM2-135M-Instruct's exact shape: 30 layers, 9 heads of 64, 3 KV heads, tied
     embeddings, its RoPE base and vocabulary."""
@@ -159,6 +151,14 @@ def smollm2_like(dest: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Path
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **over
     )
     return write_checkpoint(dest, config, seed, tokenizer_dir=Path(tokenizer_dir))
+
+
+def smollm2_shaped(dest: Path) -> Path:
+    """SmolLM2's shape with 8 heads of 72 and 4 KV heads (random weights, no tokenizer)."""
+    config = smollm2_like_config(num_attention_heads=8, num_key_value_heads=4,
+                                 max_position_embeddings=2048, rope_theta=10000.0,
+                                 rms_norm_eps=1e-6)  # fmt: skip
+    return write_checkpoint(dest, config, seed=0)
 
 
 # -- inputs and references --------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from tinyserve.worker.kv_cache import allocate_kv_cache
 from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow
-from tinyserve.worker.staging import HostToDevice, tensors_of, with_tensors
+from tinyserve.worker.staging import HostToDevice
 
 _HOST = torch.device("cpu")  # where the step's inputs are built, before the one copy
 
@@ -98,8 +98,7 @@ class ModelRunner:
         rows = [row for req, spec in sampling for row in self._rows(sched, req, spec)]
         smeta = SamplingMetadata.build(rows, self.config.vocab_size, _HOST)
         idx = torch.tensor(logits_indices, dtype=torch.int64)
-        hidden, extra = self._forward(step, [idx, *tensors_of(smeta)])  # [num_tokens, hidden]
-        idx, smeta = extra[0], with_tensors(smeta, iter(extra[1:]))
+        hidden, (idx, smeta) = self._forward(step, [idx, smeta])  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_rows, vocab]
         out = self.sampler(logits, smeta)
         return self._to_host(sampling, out)
@@ -125,11 +124,9 @@ class ModelRunner:
         under tensor parallel, first hands the batch to the other ranks."""
         return self._forward(step, [])[0]
 
-    def _forward(
-        self, step: StepInput, extra: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``forward``, taking the host tensors ``extra`` to the device in the same copy as
-        the step's own inputs; returns them there."""
+    def _forward(self, step: StepInput, extra: list) -> tuple[torch.Tensor, list]:
+        """``forward``, taking ``extra`` (host tensors, or dataclasses of them) to the device
+        in the same copy as the step's own inputs; returns them there."""
         if self.tp.size > 1 and self.tp.is_driver:
             self.tp.broadcast(step)
         meta = AttentionMetadata.build(
@@ -144,11 +141,8 @@ class ModelRunner:
         )
         ids = torch.tensor(step.input_ids, dtype=torch.int64)
         pos = torch.tensor(step.positions, dtype=torch.int64)
-        if self.to_device.pack:  # one transfer for the whole step (not on a CPU)
-            staged = iter(self.to_device([ids, pos, *tensors_of(meta), *extra]))
-            ids, pos = next(staged), next(staged)
-            meta = with_tensors(meta, staged)
-            extra = list(staged)
+        # One transfer for the whole step (on a CPU the objects come back as they are).
+        ids, pos, meta, *extra = self.to_device([ids, pos, meta, *extra])
         return self.model(ids, pos, self.kv_caches, meta), extra
 
     def serve_driver(self) -> None:

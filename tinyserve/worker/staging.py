@@ -32,9 +32,14 @@ class HostToDevice:
         self._copied = None  # CUDA event after the last copy
         self.num_copies = 0  # transfers issued (tests)
 
-    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, objs: list) -> list:
+        """``objs`` (tensors, or dataclasses / tuples holding them) with every tensor on the
+        device, moved in one copy; on a CPU ``objs`` itself, untouched."""
         if not self.pack:
-            return tensors
+            return objs
+        return with_tensors(objs, iter(self._copy(tensors_of(objs))))
+
+    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)

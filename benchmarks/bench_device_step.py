@@ -5,15 +5,20 @@ step time in steady decode per batch size, and from torch.profiler per step: ker
 .item() / .tolist() / bool()), host<->device copies (cudaMemcpy*), and aten ops. On a CPU the
 launch and copy counts are 0 and the aten op count is the number of torch dispatches.
 
-CUDA graphs (issue 16, item 4) are not built yet: every step here is eager.
+Each mode is one engine, built and dropped in turn: ``graphs`` (CUDA graphs for decode, the
+default on CUDA), ``eager`` (``--enforce-eager``: the same Triton decode attention, launched
+op by op) and ``eager-sdpa`` (eager with the masked SDPA rectangle instead of the Triton
+kernel: TINYSERVE_TRITON_ATTENTION=0). On a CPU only ``eager`` exists.
 
 python benchmarks/bench_device_step.py --model DIR --device cuda --dtype bfloat16 \
-    [--batch-sizes 1,8,64] [--steps 20] [--out results/device_step.json]
+    [--batch-sizes 1,8,64] [--steps 20] [--modes graphs,eager,eager-sdpa] \
+    [--out results/device_step.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -32,6 +37,7 @@ import torch  # noqa: E402
 
 from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
 from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
+from tinyserve.worker.device import resolve_device  # noqa: E402
 
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 SCALAR_READ = "aten::_local_scalar_dense"
@@ -76,12 +82,26 @@ def measure(engine: LLMEngine, batch: int, steps: int, device: torch.device) -> 
         engine.step()
         _sync(device)
         times.append(time.perf_counter() - t)
+    graphs = engine.executor.runner.decode_graphs
+    replays = graphs.num_replays if graphs is not None else 0
     row = {"batch": batch, "step_ms": 1000 * statistics.median(times),
-           "tok_s": batch / statistics.median(times), "cuda_graphs": False}  # fmt: skip
+           "tok_s": batch / statistics.median(times)}  # fmt: skip
     row.update(count_events(engine, min(steps, 5), device))
+    # Every profiled step took the graph: a replay per step (not a silent eager fallback).
+    row["graph_replays_per_step"] = (
+        (graphs.num_replays - replays) / min(steps, 5) if graphs is not None else 0.0
+    )
     for rid in list(engine.output_processor.parents):
         engine.abort(rid)
     return row
+
+
+def _engine(args, mode: str, max_batch: int) -> LLMEngine:
+    os.environ["TINYSERVE_TRITON_ATTENTION"] = "0" if mode == "eager-sdpa" else "1"
+    return LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype,
+                                max_num_seqs=max_batch, load_tokenizer=False,
+                                kv_cache_memory=args.kv_cache_memory,
+                                enforce_eager=mode != "graphs"))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,21 +114,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--modes", default="graphs,eager,eager-sdpa")
     ap.add_argument("--out", default="benchmarks/results/device_step.json")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    engine = LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype,
-                                  max_num_seqs=max(batches), load_tokenizer=False,
-                                  kv_cache_memory=args.kv_cache_memory))  # fmt: skip
-    device = engine.executor.device
-    rows = []
-    for b in batches:
-        rows.append(measure(engine, b, args.steps, device))
-        print(json.dumps(rows[-1]), flush=True)
-    result = {"machine": machine_info(), "device": str(device),
-              "dtype": str(engine.executor.dtype), "rows": rows}  # fmt: skip
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
+    modes = args.modes.split(",")
+    rows, result = [], {"machine": machine_info(), "modes": {}}
+    cuda = resolve_device(args.device).type == "cuda"
+    for mode in modes:
+        if not cuda and mode != "eager":
+            continue  # graphs and the Triton choice exist on CUDA only
+        engine = _engine(args, mode, max(batches))
+        device = engine.executor.device
+        graphs = engine.executor.runner.decode_graphs
+        result["modes"][mode] = {
+            "cuda_graphs": graphs is not None,
+            "capture_s": graphs.capture_seconds if graphs is not None else None,
+            "attention": engine.executor.model.attention_backend,
+        }
+        for b in batches:
+            rows.append({"mode": mode, **measure(engine, b, args.steps, device)})
+            print(json.dumps(rows[-1]), flush=True)
+        result.update(device=str(device), dtype=str(engine.executor.dtype))
+        if device.type == "cuda":
+            result["gpu"] = torch.cuda.get_device_name(device)
+        del engine, graphs
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["rows"] = rows
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -8,10 +8,13 @@
 #   env.txt             GPU, driver, Python, torch and CUDA versions
 #   device_tests.*      pytest -m device on the GPU (TINYSERVE_TEST_DEVICE=cuda): parity with
 #                       transformers (tiny Llama and Qwen2 fp32, SmolLM2-shaped bf16), batched =
-#                       alone, preemption with and without prefix caching, the sampler
+#                       alone, preemption with and without prefix caching, the sampler, the
+#                       Triton decode-attention kernel vs the reference, a captured CUDA graph's
+#                       replay vs the eager forward
 #   stream.txt          one streamed chat completion from a served SmolLM2-shaped random model
 #   serving_c*.json     bench_serving.py `mixed` at concurrency 1, 32, 128, 256
-#   device_step.json    step anatomy: step ms, launches, syncs, copies per step at batch 1/8/64
+#   device_step.json    step anatomy: step ms, launches, syncs, copies, graph replays per step
+#                       at batch 1/8/64, for CUDA graphs, eager, and eager with masked SDPA
 #   server.log
 # GPU_CHECK_DEVICE=cpu (and GPU_CHECK_DTYPE=float32) runs the same steps on a CPU, a dry run
 # of the plumbing (tests/test_gpu_check.py). Steps are bounded by timeouts so that one hung
@@ -97,8 +100,8 @@ kill $SERVER 2> /dev/null
 wait $SERVER 2> /dev/null
 
 # 5. Step anatomy (launches, syncs, copies per step) from the profiler.
-step device_step 120 "$PY" benchmarks/bench_device_step.py --model "$MODEL" --device "$DEV" \
-  --dtype "$DTYPE" --batch-sizes "${GPU_CHECK_BATCHES:-1,8,64}" --steps 20 \
+step device_step 150 "$PY" benchmarks/bench_device_step.py --model "$MODEL" --device "$DEV" \
+  --dtype "$DTYPE" --batch-sizes "${GPU_CHECK_BATCHES:-1,8,64}" --steps 20 --kv-cache-memory 4GiB \
   --out "$OUT/device_step.json" > "$OUT/device_step.txt" 2>&1
 cat "$OUT/summary.txt"
 ! grep -q FAILED "$OUT/summary.txt"

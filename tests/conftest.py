@@ -4,8 +4,16 @@ folder by scripts/fetch_default_model.sh (CI does this before the tests)."""
 from __future__ import annotations
 
 import faulthandler
+import os
 
 import pytest
+
+# Triton decides at import whether its library functions are compiled or interpreted, and
+# torch._dynamo imports it early; so, unless the tests target CUDA, interpreter mode is set
+# before anything imports it: the CUDA decode-attention kernel then runs on CPU tensors
+# (tests/kernels/test_triton_attention.py, kernels/triton_attention.py).
+if not os.environ.get("TINYSERVE_TEST_DEVICE", "cpu").startswith("cuda"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.hookimpl(trylast=True)

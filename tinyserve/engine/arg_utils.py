@@ -34,6 +34,7 @@ class EngineArgs:
     # Speculative decoding (spec_decode/): vLLM's JSON, e.g. '{"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'.
     speculative_config: str | dict | None = None
+    enforce_eager: bool = False  # CUDA: no graphs for decode steps (worker/decode_graphs.py)
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -72,12 +73,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget, e.g. 2GiB (default: 1GiB on a CPU; on CUDA what "
         "--gpu-memory-utilization leaves after a profiling forward of the largest step)",
     )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=d.gpu_memory_utilization,
-        help="CUDA: the share of the GPU's memory for weights, activations and KV cache",
-    )
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument(
@@ -89,6 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
     )
     _add_kernel_args(parser, d)
+    _add_gpu_args(parser, d)
     parser.add_argument(
         "--speculative-config",
         default=None,
@@ -114,6 +110,22 @@ def _speculative_config(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def _add_gpu_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
+    """The CUDA path's flags."""
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="CUDA: the share of the GPU's memory for weights, activations and KV cache",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=d.enforce_eager,
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
 
 
 def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:

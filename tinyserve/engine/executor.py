@@ -118,7 +118,13 @@ class Executor:
             self.model_config, args.max_model_len, self.kv_capacity_tokens
         )
         tp.broadcast(self.num_blocks)  # the other ranks allocate the same number of blocks
-        self.runner = ModelRunner(self.model, self.num_blocks, args.block_size, tp.device)
+        self.runner = ModelRunner(
+            self.model, self.num_blocks, args.block_size, tp.device,
+            decode_graphs=decode_graphs_mode(tp.device, tp.size, args.enforce_eager),
+            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+        )  # fmt: skip
+        if self.runner.decode_graphs is not None:
+            self.runner.decode_graphs.capture()
         tp.barrier()
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.model_config, args.block_size, self.dtype, tp.size
@@ -165,6 +171,15 @@ class Executor:
             f"KV cache {self.num_blocks} blocks x {self.block_size} = {self.kv_capacity_tokens} "
             f"tokens ({self.kv_cache_bytes / 2**20:.0f} MiB), max_model_len {self.max_model_len}"
         )
+
+
+def decode_graphs_mode(device, tp_size: int, enforce_eager: bool) -> str:
+    """CUDA graphs for pure-decode steps on CUDA without tensor parallel, unless
+    --enforce-eager (worker/decode_graphs.py); elsewhere the eager path. (Tests replace this
+    to run the fixed-buffer path on a CPU, uncaptured.)"""
+    if device.type == "cuda" and tp_size == 1 and not enforce_eager:
+        return "capture"
+    return "off"
 
 
 def _start_tensor_parallel(args: EngineArgs, dtype):

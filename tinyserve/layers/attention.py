@@ -19,6 +19,13 @@ Two implementations:
   group is padded into one rectangle *inside* attention and computed with one
   ``scaled_dot_product_attention`` call. The masks and gather indices (or the kernel's
   tensors) are built once per step in :meth:`AttentionMetadata.build`, shared by all layers.
+  With ``decode_backend="triton"`` (CUDA, the loader's choice where Triton is present) the
+  decode group skips the rectangle and the mask: the Triton kernel of
+  tinyserve/kernels/triton_attention.py reads each row's K/V through its block table.
+* :meth:`AttentionMetadata.static_decode` — a pure-decode step over fixed-shape buffers, for
+  CUDA graphs (worker/decode_graphs.py): one decode group whose rows are the flat batch in
+  order and whose lengths and block tables live in device tensors, so the same launches
+  replay for any contexts (layers/decode_attention.py: the Triton kernel, or a masked form).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.kernels.attention import paged_attention as kernel_attention
+from tinyserve.layers.decode_attention import decode_attention
 
 
 @dataclass
@@ -41,8 +49,13 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] (0 for padding; masked out)
     # [num_seqs, 1, max_query_len, max_blocks * block_size], additive: 0 visible, -inf not.
     # Additive in the model dtype so SDPA does not convert a boolean mask in every layer.
-    attn_mask: torch.Tensor
+    # None for a decode group read through the block table (``decode`` set).
+    attn_mask: torch.Tensor | None
     is_decode: bool
+    # Decode rows by the block table, no mask: int32 context lengths [num_seqs] (block_tables
+    # then int32). "triton": the Triton kernel; "masked": masked_decode_attention.
+    seq_lens: torch.Tensor | None = None
+    decode_backend: str | None = None
 
 
 @dataclass
@@ -85,11 +98,14 @@ class AttentionMetadata:
         dtype: torch.dtype = torch.float32,
         use_kernel: bool = False,
         num_decode_seqs: int = 0,
+        decode_backend: str | None = None,
     ) -> AttentionMetadata:
         """``query_lens[i]`` new tokens of sequence i (flat, in order) at positions
         ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``. ``use_kernel``: build the
         block-table kernel's inputs instead of the torch path's masks. The first
-        ``num_decode_seqs`` sequences are decoding (their new tokens were generated)."""
+        ``num_decode_seqs`` sequences are decoding (their new tokens were generated).
+        ``decode_backend="triton"``: the torch path's single-token rows go to the Triton
+        block-table kernel instead of a masked rectangle."""
         query_start_loc = _query_start_loc(
             query_lens, seq_lens, block_tables, block_size, num_decode_seqs
         )
@@ -116,6 +132,7 @@ class AttentionMetadata:
                 dtype,
                 max(query_lens[i] for i in rows),
                 max(seq_lens[i] for i in rows),
+                decode_backend,
             )
             for rows, idx in _decode_then_prefill_rows(query_lens)
         ]
@@ -128,6 +145,24 @@ class AttentionMetadata:
             groups,
             num_decode_tokens=num_decode_tokens,
         )
+
+    @classmethod
+    def static_decode(
+        cls,
+        slot_mapping: torch.Tensor,  # [b] int64, on the device
+        seq_lens: torch.Tensor,  # [b] int32
+        block_tables: torch.Tensor,  # [b, max_blocks] int32
+        block_size: int,
+        decode_backend: str,
+    ) -> AttentionMetadata:
+        """A decode step of ``b`` rows over fixed buffers (CUDA graphs): row i is sequence i's
+        one new token; its lengths and blocks are read from the tensors when the step runs,
+        so this metadata is built once per batch size and reused for every step."""
+        b = slot_mapping.shape[0]
+        group = AttentionGroup(None, None, None, block_tables, None, True, seq_lens,
+                               decode_backend)  # fmt: skip
+        return cls(slot_mapping, list(range(b + 1)), [1] * b, [], block_size, [group],
+                   num_decode_tokens=b)  # fmt: skip
 
 
 def _query_start_loc(
@@ -205,8 +240,15 @@ def _build_group(
     dtype: torch.dtype,
     max_q: int,  # the group's longest query and context, from the step's lists (no tensor
     max_s: int,  # read: on a GPU each would wait for the device)
+    decode_backend: str | None = None,
 ) -> AttentionGroup:
     max_blocks = -(-max_s // block_size)
+    if max_q == 1 and decode_backend is not None:  # by the block table: no rectangle, no mask
+        rows = starts.to(device)
+        return AttentionGroup(rows, rows, rows,
+                              tables[:, :max_blocks].to(torch.int32).contiguous().to(device),
+                              None, True, s_lens.to(torch.int32).to(device),
+                              decode_backend)  # fmt: skip
     q_pos = torch.arange(max_q)
     valid = q_pos[None, :] < q_lens[:, None]  # [n, max_q], False for padding
     token_index = torch.where(valid, starts[:, None] + q_pos[None, :], 0)
@@ -261,12 +303,18 @@ def paged_attention(
         m = meta.kernel
         return kernel_attention(q, k_cache, v_cache, m.query_start_loc, m.seq_lens,
                                 m.seq_of_token, m.block_tables, scale)  # fmt: skip
+    if meta.groups and meta.groups[0].token_index is None:  # static_decode: the whole batch
+        return decode_attention(q, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # index_select rather than advanced indexing: same result, but aten::index is ~100x
     # slower on CPU when its worker threads compete with other processes.
     for g in meta.groups:
+        if g.decode_backend is not None:
+            og = decode_attention(q.index_select(0, g.token_index), k_cache, v_cache, g, scale)
+            out.index_copy_(0, g.out_rows, og)
+            continue
         n, max_blocks = g.block_tables.shape
         max_q = g.token_index.shape[1]
         qg = q.index_select(0, g.token_index.view(-1)).view(n, max_q, num_heads, head_dim)

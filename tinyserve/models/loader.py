@@ -169,11 +169,29 @@ def _use_kernel_attention_and_step(
     heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     if use_kernels and attention_kernel.fits(*heads):
         net.attention_backend = "kernel"
+    elif _triton_decode_fits(net, heads):
+        net.attention_backend = "triton"  # decode rows by the block table (CUDA)
     _use_fused_ops(net, use_kernels)
     if use_kernels and fused_step:
         from tinyserve.kernels import step as step_kernel
 
         net.model.step_plan = step_kernel.build_plan(net)
+
+
+def _triton_decode_fits(net: LlamaForCausalLM, heads: tuple[int, int, int]) -> bool:
+    """On CUDA, decode attention through the Triton block-table kernel where Triton is
+    installed (it comes with CUDA PyTorch) and the heads fit; TINYSERVE_TRITON_ATTENTION=0
+    keeps the masked SDPA rectangle (for A/B runs)."""
+    from tinyserve.kernels import triton_attention
+
+    device = next(net.parameters()).device
+    if device.type != "cuda" or os.environ.get("TINYSERVE_TRITON_ATTENTION", "1") == "0":
+        return False
+    num_heads, num_kv_heads, head_dim = heads
+    tp = net.tp.size
+    return triton_attention.available(device) and triton_attention.fits(
+        num_heads // tp, num_kv_heads // tp, head_dim
+    )
 
 
 def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:

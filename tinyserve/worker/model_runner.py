@@ -45,18 +45,35 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
+        decode_graphs: str = "off",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
     ) -> None:
+        """``decode_graphs``: "capture" (CUDA graphs for pure-decode steps), "eager" (the
+        same fixed-buffer path run without capturing: the CPU tests), or "off"."""
+        if decode_graphs not in ("off", "eager", "capture"):
+            raise ValueError(f"decode_graphs must be off, eager or capture, not {decode_graphs!r}")
         self.model = model
         self.config = model.config
         self.tp = model.tp
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(
-            self.config, num_blocks, block_size, model.dtype, device, tp_size=self.tp.size
-        )
+        graphs = decode_graphs != "off" and self.tp.size == 1  # (graphs hold no collectives)
+        # The fixed-buffer decode path's padding rows write a scratch block past the real ones.
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks + int(graphs), block_size,
+                                           model.dtype, device, tp_size=self.tp.size)  # fmt: skip
         self.sampler = Sampler()
         self.to_device = HostToDevice(device)
+        self.decode_graphs = None
+        if graphs:
+            from tinyserve.worker.decode_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, block_size, num_blocks, max_num_seqs,
+                max_model_len or self.config.max_position_embeddings, device,
+                capture=decode_graphs == "capture",
+            )  # fmt: skip
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -129,6 +146,11 @@ class ModelRunner:
         in the same copy as the step's own inputs; returns them there."""
         if self.tp.size > 1 and self.tp.is_driver:
             self.tp.broadcast(step)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(step.query_lens, step.num_decode_seqs,
+                                              step.block_tables):  # fmt: skip
+            staged = self.to_device([*graphs.host_inputs(step), *extra])
+            return graphs.run(len(step.input_ids), staged[:5]), staged[5:]
         meta = AttentionMetadata.build(
             step.query_lens,
             step.seq_lens,
@@ -138,6 +160,7 @@ class ModelRunner:
             self.model.dtype,
             use_kernel=self.model.attention_backend == "kernel",
             num_decode_seqs=step.num_decode_seqs,
+            decode_backend="triton" if self.model.attention_backend == "triton" else None,
         )
         ids = torch.tensor(step.input_ids, dtype=torch.int64)
         pos = torch.tensor(step.positions, dtype=torch.int64)

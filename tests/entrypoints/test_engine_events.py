@@ -51,6 +51,9 @@ def _run_requests(base_url: str, n: int, max_tokens: int) -> list[int]:
     return statuses
 
 
+TOKENS = 40  # long enough that a 10 ms scraper lands on several running steps on a fast CPU
+
+
 def test_events_stream_and_agree_with_metrics(server):
     scrapes, done = [], threading.Event()
 
@@ -65,7 +68,7 @@ def test_events_stream_and_agree_with_metrics(server):
         events = _snapshots(r, pings=True)
         snaps.append(next(events))  # on connect, before any request
         threads = [threading.Thread(target=scraper)]
-        threads.append(threading.Thread(target=lambda: (_run_requests(server.base_url, 3, 12),
+        threads.append(threading.Thread(target=lambda: (_run_requests(server.base_url, 3, TOKENS),
                                                         done.set())))  # fmt: skip
         for t in threads:
             t.start()
@@ -76,13 +79,13 @@ def test_events_stream_and_agree_with_metrics(server):
                 continue
             snaps.append(snap)
             decoded = sum(rec["decode"] for s in snaps for rec in s["steps"])
-            if decoded >= 3 * 11 and snap["running"] == snap["waiting"] == 0:
-                break  # the idle snapshot after the 3 requests' 11 decode steps each
+            if decoded >= 3 * (TOKENS - 1) and snap["running"] == snap["waiting"] == 0:
+                break  # the idle snapshot after the 3 requests' decode steps
         for t in threads:
             t.join()
     idle = _scrape(server.base_url)
     records = {rec["step"]: rec for snap in snaps for rec in snap["steps"]}
-    assert sum(rec["decode"] for rec in records.values()) == 3 * 11
+    assert sum(rec["decode"] for rec in records.values()) == 3 * (TOKENS - 1)
     assert sum(len(rec["prefill"]) for rec in records.values()) >= 3
     assert any(rec["prefill"] for rec in records.values())
     assert any(s["running"] > 0 for s in snaps)

@@ -19,8 +19,11 @@ checkpoint's rows of blocks). ``--baseline-isa`` / ``--isa`` build either side f
 ISA level this CPU runs (e.g. ``--baseline-rev HEAD --baseline-isa avx2``: this tree's AVX2
 kernels against its AVX-512 ones).
 
+``--bf16`` times this tree's gemm with bf16 activations (gemm_bf16.h) against the baseline's
+float ones (e.g. ``--baseline-rev HEAD --bf16 --rows 1,8,32,128``).
+
 python benchmarks/bench_kernels.py [--baseline-rev HEAD~2] [--baseline-isa avx2] [--isa LEVEL]
-    [--rows 1,2,3,4,5,6,8] [--attention-rows 1,5,9] [--context 600]
+    [--bf16] [--rows 1,2,3,4,5,6,8] [--attention-rows 1,5,9] [--context 600]
     [--out benchmarks/results/kernels.json]
 """
 
@@ -56,10 +59,13 @@ def build(src_dir: Path, name: str, out_dir: Path, level: str | None) -> ctypes.
 
 def sources_at(rev: str, dest: Path) -> Path:
     dest.mkdir(parents=True)
-    for name in ("gemm.c", "qgemm.c", "attention.c", "simd.h"):
-        text = subprocess.run(["git", "show", f"{rev}:{KDIR}/{name}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout  # fmt: skip
-        (dest / name).write_text(text)
+    for name in ("gemm.c", "qgemm.c", "attention.c", "simd.h", "gemm_bf16.h"):
+        shown = subprocess.run(["git", "show", f"{rev}:{KDIR}/{name}"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+        if shown.returncode and name != "gemm_bf16.h":  # older revisions have no bf16 header
+            raise RuntimeError(f"git show {rev}:{KDIR}/{name}: {shown.stderr.strip()}")
+        if not shown.returncode:
+            (dest / name).write_text(shown.stdout)
     return dest
 
 
@@ -87,10 +93,11 @@ def layout_of(lib: ctypes.CDLL) -> int:
     return lib.gemm_group_width() if hasattr(lib, "gemm_group_width") else 8
 
 
-def time_matmuls(libs, ws, m: int, reps: int, entry: str = "gemm"):
+def time_matmuls(libs, ws, m: int, reps: int, entry: str = "gemm", flags=(0, 0)):
     """Times per library, whether the outputs are bitwise the same, and the largest
     difference relative to the output's largest magnitude. ``entry`` "qgemm": qgemm.c
-    (int8 activations), which reads the checkpoint's rows of blocks."""
+    (int8 activations), which reads the checkpoint's rows of blocks. ``flags``: or-ed into
+    each library's weight kind (gemm.BF16_ACT: the bf16-activation tiles)."""
     fns = [getattr(f, entry) for f in libs]
     for f in fns:
         f.argtypes, f.restype = [I32, P, P, P, P, I64, P, I64, I64, I64, I32, I32], None
@@ -106,7 +113,7 @@ def time_matmuls(libs, ws, m: int, reps: int, entry: str = "gemm"):
             for w, y in zip(views[i], outs[i], strict=True):
                 n, k = w.shape
                 m_ptr = None if w.m is None else w.m.data_ptr()
-                f(gemm._KIND_IDS[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
+                f(gemm._KIND_IDS[w.kind] | flags[i], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
                   xs[k].data_ptr(), k, y.data_ptr(), n, n, k, m, 2)  # fmt: skip
             times[i].append((time.perf_counter() - t) * 1e3)
     pairs = [(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True)]
@@ -157,6 +164,12 @@ def main() -> int:
     p.add_argument("--rows", default="1,2,3,4,5,6,8")
     p.add_argument("--attention-rows", default="1,5,9")
     p.add_argument("--q8-rows", default="1,2", help="rows for qgemm.c ('' for none)")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="this tree's gemm with bf16 "
+        "activations (AVX512-BF16), against the baseline's float32 ones",
+    )
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--out", default="benchmarks/results/kernels.json")
@@ -172,7 +185,10 @@ def main() -> int:
         attns = [build(base, "attention", Path(tmp), lv[0]),
                  build(here, "attention", Path(tmp), lv[1])]  # fmt: skip
         ws = step_weights()
+        if args.bf16 and not gemms[1].gemm_bf16():
+            sys.exit("--bf16: this tree's gemm has no bf16 tiles at ISA level " + str(lv[1]))
         result = {"baseline_rev": args.baseline_rev, "baseline_isa": lv[0], "isa": lv[1],
+                  "bf16_activations": args.bf16,
                   "machine": machine_info(),
                   "matmuls": [], "q8_matmuls": [], "attention": []}  # fmt: skip
         print(f"{'':10} {'rows':>4} {'baseline min/med ms':>20} {'this tree':>16} {'ratio':>6}")
@@ -180,7 +196,8 @@ def main() -> int:
         runs += [("q8_matmuls", qgemms, "qgemm", r) for r in args.q8_rows.split(",") if r]
         for what, libs, entry, rows in runs:
             m = int(rows)
-            times, same, rel = time_matmuls(libs, ws, m, args.reps, entry)
+            flags = (0, gemm.BF16_ACT if args.bf16 and entry == "gemm" else 0)
+            times, same, rel = time_matmuls(libs, ws, m, args.reps, entry, flags)
             base_s, here_s = summary(times)
             result[what].append({"rows": m, "baseline": base_s, "this": here_s,
                                  "bitwise_same": same, "max_rel_diff": rel})  # fmt: skip

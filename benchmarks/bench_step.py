@@ -4,7 +4,8 @@ the engine with the CPU kernels (the default: the GGUF's blocks, block-table att
 fused elementwise ops), with them and --decode-activations int8 (decode rows' activations
 rounded to int8 for integer dot products), and without them (--no-cpu-kernels: torch's fp32
 GEMM and SDPA); and the kernels with the decoder layers looped in Python (--no-fused-step)
-instead of one C call.
+instead of one C call; on a CPU with AVX512-BF16 (where the default rounds the kernels'
+activations to bf16), also --kernel-activations float32.
 
 matmul floor   the bare fp32 matrix products of one decode step (every layer's qkv, o,
                gate_up, down, plus the LM head) on random activations: what a pure-PyTorch
@@ -41,6 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
 from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
+from tinyserve.kernels import gemm  # noqa: E402
 from tinyserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         "kernels, layer loop in Python": {"fused_step": False},
         "torch": {"cpu_kernels": False},
     }
+    if gemm.bf16_available():  # the default rounds activations to bf16: float32's cost beside
+        paths["kernels, float32 activations"] = {"kernel_activations": "float32"}
     engines = {
         name: LLMEngine(
             EngineArgs(

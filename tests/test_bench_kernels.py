@@ -32,3 +32,20 @@ def test_bench_kernels_against_head(tmp_path):
     # HEAD's kernels are this tree's unless they are being edited: then only numbers differ.
     assert all(r["this"]["min_ms"] > 0 for r in result["matmuls"] + result["attention"])
     assert result["attention"][0]["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.skipif(not gemm.bf16_available(), reason="needs a CPU with AVX512-BF16 and cc")
+def test_bench_kernels_bf16_against_the_float_tiles(tmp_path):
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "kernels.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--baseline-rev",
+           "HEAD", "--bf16", "--rows", "1,9", "--q8-rows", "", "--attention-rows", "1",
+           "--context", "20", "--reps", "1", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bf16_activations"] is True
+    for r in result["matmuls"]:  # rounded activations: close to the float tiles, not equal
+        assert not r["bitwise_same"] and 0 < r["max_rel_diff"] < 1e-2, r

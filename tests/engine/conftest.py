@@ -32,7 +32,7 @@ def _shared_model(args: EngineArgs) -> tuple:
     dtype = getattr(torch, args.dtype)
     kw = dict(max_position=args.max_model_len, cpu_kernels=args.cpu_kernels,
               quantization=args.quantization, decode_activations=args.decode_activations,
-              fused_step=args.fused_step)  # fmt: skip
+              fused_step=args.fused_step, kernel_activations=args.kernel_activations)  # fmt: skip
     key = (str(args.model), args.dtype, args.device, *kw.values())
     if key not in _models:
         _models[key] = load_model(args.model, dtype, resolve_device(args.device), **kw)

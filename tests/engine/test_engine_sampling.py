@@ -218,19 +218,16 @@ def test_n_returns_n_choices_sharing_prompt_blocks(smol_llm, smol_engine):
 # ---------------------------------------------------------------- logprobs
 
 
-def _dense_logprobs(model, tokens: list[int]) -> torch.Tensor:
-    """log_softmax of the logits at every position, from one dense prefill of ``tokens``
-    into a fresh cache (no engine, no chunking, no decode steps)."""
-    from tinyserve.layers.attention import AttentionMetadata
-    from tinyserve.worker.kv_cache import allocate_kv_cache
+def _dense_logprobs(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """log_softmax of the logits at every position, teacher-forced into a fresh cache as the
+    engine ran it (the prompt in one chunk, then one token per step) but with no engine: no
+    scheduler, sampler or detokenizer. (One prefill of every token would sum attention in
+    another order; with bf16 activations such last-bit differences surface as ~5e-3.)"""
+    from tinyserve.testing.paged_runner import PagedRunner
 
-    bs = 16
-    nb = -(-len(tokens) // bs)
-    kv = allocate_kv_cache(model.config, nb, bs, model.dtype, "cpu")
-    meta = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(nb))], bs)
     with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), kv, meta)
-        return torch.log_softmax(model.compute_logits(hidden).double(), -1)
+        runner = PagedRunner(model, 16, num_blocks=-(-len(tokens) // 16) + 1)
+        return torch.log_softmax(runner.prefill_then_decode(tokens, prompt_len).double(), -1)
 
 
 def _check_logprobs(lps, tokens, dense, prompt_len, k, greedy_: bool, atol: float):
@@ -264,7 +261,7 @@ def test_logprobs_equal_log_softmax_of_the_model_logits(smol_llm, smol_engine):
     model = smol_engine.executor.runner.model
     for out, k, is_greedy in ((greedy_out, 5, True), (sampled_out, 2, False)):
         [c] = out.outputs
-        dense = _dense_logprobs(model, prompt + c.token_ids)
+        dense = _dense_logprobs(model, prompt + c.token_ids, len(prompt))
         _check_logprobs(c.logprobs, c.token_ids, dense, len(prompt), k, is_greedy, atol=2e-4)
     assert greedy_out.outputs[0].token_ids != sampled_out.outputs[0].token_ids
 

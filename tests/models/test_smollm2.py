@@ -1,5 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): our loader + decoder + paged
-cache vs transformers loading the same GGUF, fp32. Slow: transformers reads the GGUF twice."""
+cache vs transformers loading the same GGUF, fp32 (kernel activations float32: the bf16 default
+on AVX512-BF16 CPUs is bounded against this reference in test_batch_invariance.py). Slow:
+transformers reads the GGUF twice."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def hf_model(smollm2_gguf_path):
 def our_model(smollm2_gguf_path):
     from tinyserve.models.loader import load_model
 
-    model, source = load_model(smollm2_gguf_path, dtype=torch.float32)
+    model, source = load_model(smollm2_gguf_path, dtype=torch.float32, kernel_activations="float32")
     assert source.kind == "gguf"
     return model
 

@@ -102,6 +102,7 @@ class Executor:
                 quantization=args.quantization,
                 decode_activations=args.decode_activations,
                 fused_step=args.fused_step,
+                kernel_activations=args.kernel_activations,
             )
         self.model, self.source = loaded
         self.model_config: ModelConfig = self.model.config

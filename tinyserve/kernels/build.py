@@ -30,10 +30,13 @@ _AVX512 = (
     _AVX2[1] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 )
 # ISA level -> (the /proc/cpuinfo flags it needs, compiler flags), best first. The sources
-# pick their code by the compiler's macros: gemm.c's 16-lane groups under __AVX512F__,
-# qgemm.c's dot products under __AVX512VNNI__; the rest is AVX2 code at every level.
+# pick their code by the compiler's macros: gemm.c's 16-lane groups under __AVX512F__ and its
+# bf16-activation tiles under __AVX512BF16__, qgemm.c's dot products under __AVX512VNNI__; the
+# rest is AVX2 code at every level.
+_VNNI = (_AVX512[0] | {"avx512_vnni"}, _AVX512[1] + ["-mavx512vnni"])
 ISA_LEVELS = {
-    "avx512_vnni": (_AVX512[0] | {"avx512_vnni"}, _AVX512[1] + ["-mavx512vnni"]),
+    "avx512_bf16": (_VNNI[0] | {"avx512_bf16"}, _VNNI[1] + ["-mavx512bf16"]),
+    "avx512_vnni": _VNNI,
     "avx512": _AVX512,
     "avx2": _AVX2,
 }
@@ -101,7 +104,8 @@ def load(name: str) -> ctypes.CDLL | None:
     _log_level(level)
     source = Path(__file__).with_name(f"{name}.c")
     flags = ISA_LEVELS[level][1]
-    shared = source.with_name("simd.h").read_bytes()  # included by every kernel
+    # The headers beside the sources (simd.h, included by every kernel; gemm_bf16.h).
+    shared = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     digest = hashlib.sha256(source.read_bytes() + shared + " ".join(flags).encode()).hexdigest()[
         :16
     ]

@@ -33,8 +33,7 @@ typedef struct {
     int64_t K, N, nb;
 } weight_t;
 
-// The layout this file reads (bench_kernels.py asks, to time older revisions beside it), and
-// its group width (gemm.py builds the weights to match).
+// The layout this file reads (bench_kernels.py times older revisions beside it) and its GW.
 int gemm_layout(void) { return 1; }
 int gemm_group_width(void) { return GW; }
 
@@ -315,12 +314,16 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     }
 }
 
-// One call's activations: x rows at ldx, and their Q4_1 block sums sx, computed once.
+// One call's activations: x rows at ldx, their Q4_1 block sums sx, computed once; bf16 mode
+// (gemm_bf16.h): xb [M, ldxb] the rows as bf16 pairs, sx the rounded rows' block sums.
 typedef struct {
     const float *x, *sx;
     int64_t ldx;
     int M;
+    const uint32_t *xb;
+    int64_t ldxb;
 } act_t;
+#include "gemm_bf16.h"
 
 // One specialised copy per weight kind (the kind branch folds away inside each).
 static void rows_q4_1(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
@@ -337,7 +340,8 @@ static void rows_q8_0(const weight_t *w, const act_t *a, float *buf, float *y, i
 }
 static void rows_any(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
                      int64_t g0, int64_t g1) {
-    if (w->kind == 2) f32_rows(w, a->x, a->ldx, a->M, y, ldy, g0, g1);
+    if (a->xb) bf16_rows(w, a, (uint32_t *)buf, y, ldy, g0, g1);
+    else if (w->kind == 2) f32_rows(w, a->x, a->ldx, a->M, y, ldy, g0, g1);
     else if (w->kind == 0) rows_q4_1(w, a, buf, y, ldy, g0, g1);
     else rows_q8_0(w, a, buf, y, ldy, g0, g1);
 }
@@ -356,9 +360,12 @@ static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tai
 }
 
 // Entry point (ctypes). Groups are split over threads in units of 32 outputs (the decode tile).
-// Returns 0, or -1 when its scratch memory could not be allocated (nothing computed).
-int gemm(int kind, const void *qs, const float *d, const float *m, const float *x,
+// flags: a weight kind, | BF16_ACT for the bf16-activation path. Returns 0, -1 when its scratch memory could not
+// be allocated, -2 for a bf16 call this build cannot serve (nothing computed).
+int gemm(int flags, const void *qs, const float *d, const float *m, const float *x,
          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
+    const int bf16 = (flags & BF16_ACT) != 0, kind = flags & (BF16_ACT - 1);
+    if (bf16 && (!gemm_bf16() || kind == 2)) return -2;
     if (M <= 0) return 0;
     weight_t w = {kind, qs, d, m, K, N, K / 32};
     const int64_t G = (N + GW - 1) / GW, nb = K / 32;
@@ -367,11 +374,14 @@ int gemm(int kind, const void *qs, const float *d, const float *m, const float *
     // multiple of 16 floats, so that every part stays 64-byte aligned. A few KB at decode.
     const size_t n_sx = kind == 0 ? ((size_t)M * nb + 15) / 16 * 16 : 0;
     const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * GW : 0;
-    float *base = (float *)aligned_alloc(64, (n_sx + n_buf + (size_t)M * 16) * sizeof(float));
+    const size_t n_xb = bf16 ? ((size_t)M * K / 2 + 15) / 16 * 16 : 0;  // | xb [M, K/2] (bf16)
+    float *base = (float *)aligned_alloc(64, (n_sx + n_buf + (size_t)M * 16 + n_xb) * sizeof(float));
     if (base == NULL) return -1;
     float *bufs = base + n_sx, *tail = bufs + n_buf;
-    const act_t a = {x, base, ldx, M};
-    for (int r = 0; r < (kind == 0 ? M : 0); r++)
+    uint32_t *xb = bf16 ? (uint32_t *)(tail + (size_t)M * 16) : NULL;
+    const act_t a = {x, base, ldx, M, xb, K / 2};
+    if (bf16) bf16_activations(x, ldx, M, K, kind, xb, base);
+    else for (int r = 0; r < (kind == 0 ? M : 0); r++)
         for (int64_t b = 0; b < nb; b++) base[r * nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
     if (nthreads == 1) {
         run_groups(&w, &a, bufs, tail, y, ldy, 0, G);

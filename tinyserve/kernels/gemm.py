@@ -34,6 +34,7 @@ from tinyserve.kernels.build import kernel_threads, load
 
 Q4_1, Q8_0, F32 = "q4_1", "q8_0", "f32"
 _KIND_IDS = {Q4_1: 0, Q8_0: 1, F32: 2}
+BF16_ACT = 16  # or-ed into a kind id: gemm.c's bf16-activation path (gemm_bf16.h)
 _GGML_TYPES = {3: Q4_1, 8: Q8_0}  # GGML type ids
 _BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 
@@ -56,6 +57,12 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def bf16_available() -> bool:
+    """gemm.c built with its bf16-activation tiles (a CPU with AVX512-BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.gemm_bf16())
 
 
 def block_kind(qtype: int) -> str | None:
@@ -225,7 +232,7 @@ def _output(m_rows: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _run(fn, what: str, x: torch.Tensor, w, num_threads, out) -> torch.Tensor:
+def _run(fn, what: str, x: torch.Tensor, w, num_threads, out, flags: int = 0) -> torch.Tensor:
     x = x.contiguous()
     m_rows, k = x.shape
     n = w.shape[0]
@@ -234,8 +241,10 @@ def _run(fn, what: str, x: torch.Tensor, w, num_threads, out) -> torch.Tensor:
     y = _output(m_rows, n, out)
     if m_rows == 0:
         return y
-    rc = fn(_KIND_IDS[w.kind], _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k, y.data_ptr(),
-            n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
+    rc = fn(_KIND_IDS[w.kind] | flags, _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k,
+            y.data_ptr(), n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"{what}: no bf16-activation kernel for {w.kind} weights on this CPU")
     if rc:
         raise MemoryError(f"{what}: no scratch memory for {m_rows} x {k} activations")
     return y
@@ -246,12 +255,15 @@ def matmul(
     w: PackedWeight | KernelWeight,
     num_threads: int | None = None,
     out: torch.Tensor | None = None,
+    bf16: bool = False,
 ) -> torch.Tensor:
-    """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32 (into ``out`` if given)."""
+    """``x @ W.T`` for float32 ``x`` [M, K]: [M, N] float32 (into ``out`` if given). With
+    ``bf16`` (Q4_1 / Q8_0 weights, :func:`bf16_available`): ``bf16(x) @ W.T``, x rounded to
+    bf16 and multiplied on vdpbf16ps, the weights exact (gemm_bf16.h)."""
     lib = library()
     assert lib is not None, "CPU kernels are not available"
     kw = w.kernel if isinstance(w, PackedWeight) else w
-    return _run(lib.gemm, "matmul", x, kw, num_threads, out)
+    return _run(lib.gemm, "matmul", x, kw, num_threads, out, BF16_ACT if bf16 else 0)
 
 
 def matmul_q8(

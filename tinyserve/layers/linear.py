@@ -21,7 +21,14 @@ llama.cpp does (a decode matmul is bound by unpacking weights; integer dots do 4
 instruction), and prompt rows through the float kernel (compute-bound: faster in float on
 AVX2). The path depends only on the row's own token, never on the batch: invariance holds.
 Opt-in, because rounding activations moves the logits (greedy text can leave the float
-reference's); the default keeps every activation float32.
+reference's).
+
+``--kernel-activations bfloat16`` (the default, "auto", where the CPU has AVX512-BF16) rounds
+the rows the float kernel serves to bf16 and multiplies them with the exact weights on
+vdpbf16ps (kernels/gemm_bf16.h): 2x the float kernel on prefill-sized row counts, one
+summation order for every row count (still batch-invariant). The error is one bf16 rounding
+of each activation (relative 2^-9), far under the 4-bit weights' own; ``float32`` keeps the
+logits those of the float reference.
 """
 
 from __future__ import annotations
@@ -64,19 +71,24 @@ class DenseMethod(LinearMethod):
 
 
 DECODE_ACTIVATIONS = ("int8", "float32")
+KERNEL_ACTIVATIONS = ("float32", "bfloat16")  # or "auto": resolve_kernel_activations
 
 
 class PackedMethod(LinearMethod):
     """The CPU kernel on a packed weight (float32 activations in and out). With
-    ``int8_decode`` (GGUF blocks only), decode rows take the int8-activation kernel."""
+    ``int8_decode`` (GGUF blocks only), decode rows take the int8-activation kernel; with
+    ``bf16`` (GGUF blocks, AVX512-BF16) the other rows are rounded to bf16 (gemm_bf16.h)."""
 
-    def __init__(self, packed: PackedWeight, int8_decode: bool = False) -> None:
-        self.int8_decode = int8_decode and packed.kind in (gemm.Q4_1, gemm.Q8_0)
+    def __init__(self, packed: PackedWeight, int8_decode: bool = False, bf16: bool = False):
+        blocks = packed.kind in (gemm.Q4_1, gemm.Q8_0)
+        self.int8_decode = int8_decode and blocks
+        self.bf16 = bf16 and blocks and gemm.bf16_available()
         self.kernel = packed.kernel  # gemm.c's layout
         # The checkpoint's layout only where qgemm.c reads it (int8 decode rows): otherwise
         # it is dropped with the loader's copy, so the blocks are held once.
         self.packed = packed if self.int8_decode else None
-        self.name = f"kernel-{packed.kind}" + ("+int8-decode" if self.int8_decode else "")
+        self.name = f"kernel-{packed.kind}" + ("+bf16" if self.bf16 else "")
+        self.name += "+int8-decode" if self.int8_decode else ""
 
     def apply(self, layer, x, num_decode=0):
         if self.int8_decode and num_decode > 0:
@@ -84,9 +96,9 @@ class PackedMethod(LinearMethod):
             y = torch.empty(x.shape[0], self.kernel.shape[0], dtype=torch.float32)
             gemm.matmul_q8(x[:num_decode], self.packed, out=y[:num_decode])
             if num_decode < x.shape[0]:
-                gemm.matmul(x[num_decode:], self.kernel, out=y[num_decode:])
+                gemm.matmul(x[num_decode:], self.kernel, out=y[num_decode:], bf16=self.bf16)
         else:
-            y = gemm.matmul(x, self.kernel)
+            y = gemm.matmul(x, self.kernel, bf16=self.bf16)
         return y if layer.bias is None else y + layer.bias
 
 
@@ -112,23 +124,39 @@ def check_quantization(quantization, cpu_kernels: bool, dtype, device) -> None:
         raise ValueError("quantization: int8 needs the CPU kernels, which cannot be built here")
 
 
+def resolve_kernel_activations(kernel_activations: str) -> str:
+    """``auto``: bfloat16 where gemm.c has its bf16 tiles (AVX512-BF16), else float32."""
+    if kernel_activations == "auto":
+        return "bfloat16" if gemm.bf16_available() else "float32"
+    if kernel_activations not in KERNEL_ACTIVATIONS:
+        raise ValueError(
+            f"kernel_activations {kernel_activations!r}: use auto or one of "
+            + ", ".join(KERNEL_ACTIVATIONS)
+        )
+    return kernel_activations
+
+
 def choose_linear_methods(
     layers: dict[str, nn.Module],
     packed: dict[str, PackedWeight],
     use_kernels: bool,
     quantization: str | None = None,
     decode_activations: str = "float32",
+    kernel_activations: str = "float32",
 ) -> dict[str, int]:
     """Fix every layer's method once. With ``use_kernels`` (CPU, float32, kernels built):
     the checkpoint's own blocks where ``packed`` has them (decode rows with int8 activations
-    if ``decode_activations="int8"``), else int8 weights when asked, else the float32
+    if ``decode_activations="int8"``, the other rows rounded to bf16 if ``kernel_activations``
+    resolves to "bfloat16"), else int8 weights when asked, else the float32
     weight — all through the batch-invariant kernels. Without: torch's GEMM. Returns how many
     layers got each method. ``quantization`` is checked by check_quantization first."""
     if decode_activations not in DECODE_ACTIVATIONS:
         raise ValueError(
             f"decode_activations {decode_activations!r}: use one of {', '.join(DECODE_ACTIVATIONS)}"
         )
+    kernel_activations = resolve_kernel_activations(kernel_activations)
     int8_decode = decode_activations == "int8" and gemm.q8_available()
+    bf16 = kernel_activations == "bfloat16"
     counts: dict[str, int] = {}
     for name, layer in layers.items():
         method: LinearMethod = DenseMethod()
@@ -140,7 +168,7 @@ def choose_linear_methods(
             if w is None:
                 w = gemm.from_dense(layer.weight.data)
             if w is not None and w.shape == tuple(layer.weight.shape):
-                method = PackedMethod(w, int8_decode=int8_decode and own_blocks)
+                method = PackedMethod(w, int8_decode and own_blocks, bf16 and own_blocks)
         layer.set_method(method)
         counts[method.name] = counts.get(method.name, 0) + 1
     return counts

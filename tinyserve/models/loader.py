@@ -80,14 +80,21 @@ def load_model(
     quantization: str | None = None,
     decode_activations: str = "float32",
     fused_step: bool = True,
+    kernel_activations: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelSource]:
     """Resolve, build and fill the model (this rank's shard of it under tensor parallel), then
     fix each linear layer's method (layers/linear.py: choose_linear_methods): on a CPU with
     the kernels and fp32, a GGUF's own Q4_1/Q8_0 blocks, int8 if ``quantization="int8"``, or
     the float32 weight through the same batch-invariant kernel; ``decode_activations="int8"``
-    rounds decode rows' activations on a GGUF's blocks (as llama.cpp). ``fused_step``: all
-    layers in one C call where every layer is on the kernels. The tokenizer is separate."""
-    from tinyserve.layers.linear import check_quantization, choose_linear_methods
+    rounds decode rows' activations on a GGUF's blocks (as llama.cpp);
+    ``kernel_activations``: "bfloat16" rounds the other rows' activations to bf16 on those
+    blocks (AVX512-BF16; "auto" picks it where the CPU has it). ``fused_step``: all layers in
+    one C call where every layer is on the kernels. The tokenizer is separate."""
+    from tinyserve.layers.linear import (
+        check_quantization,
+        choose_linear_methods,
+        resolve_kernel_activations,
+    )
 
     check_quantization(quantization, cpu_kernels, dtype, device)
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
@@ -106,9 +113,18 @@ def load_model(
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
+    kernel_activations = resolve_kernel_activations(kernel_activations)
     counts = choose_linear_methods(
-        net.linear_layers(), packed, use_kernels, quantization, decode_activations
-    )
+        net.linear_layers(), packed, use_kernels, quantization, decode_activations,
+        kernel_activations,
+    )  # fmt: skip
+    _use_kernel_attention_and_step(net, use_kernels, fused_step)
+    _report_methods(net, counts, decode_activations, kernel_activations)
+    return net, source
+
+
+def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel_act: str):
+    """Log each layer's method (and warn about an activation flag that applies nowhere)."""
     layers = net.linear_layers().values()
     if decode_activations == "int8" and not any(
         getattr(m.method, "int8_decode", False) for m in layers
@@ -117,14 +133,15 @@ def load_model(
             "--decode-activations int8 has no effect here: it needs a GGUF's Q4_1/Q8_0 blocks "
             "on the CPU kernels (float32, tensor parallel size 1)"
         )
-    _use_kernel_attention_and_step(net, use_kernels, fused_step)
+    if kernel_act == "bfloat16" and not any(getattr(m.method, "bf16", False) for m in layers):
+        kernel_act = "float32 (bfloat16 needs a GGUF's Q4_1/Q8_0 blocks on the CPU kernels)"
     logger.info(
-        "linear methods: %s; attention: %s; layers in one C call: %s",
+        "linear methods: %s (kernel activations %s); attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
+        kernel_act,
         net.attention_backend,
         net.model.step_plan is not None,
     )
-    return net, source
 
 
 def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, int, int], ...]:

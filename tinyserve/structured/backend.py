@@ -36,9 +36,10 @@ from tinyserve.structured.spec import StructuredOutputSpec
 _LIMITS = dict(max_grammar_size=2_000_000, max_lexer_states=250_000, step_lexer_fuel=1_000_000)
 # oneOf is compiled as anyOf (exact when the branches are disjoint, the usual case: a type and
 # null, or objects told apart by a const); llguidance refuses it otherwise.
-# Whitespace between JSON tokens is bounded (enough for pretty-printed JSON a few levels
-# deep): unbounded, a model can pad with newlines until max_tokens and never close the value.
-_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"[ \t\n\r]{0,40}"}
+# Whitespace between JSON tokens is bounded as llama.cpp's json.gbnf bounds it: one space, or
+# one newline and an indent of up to 20 (pretty-printed JSON ten levels deep). Unbounded, or
+# even as runs of 40, a small model pads with tabs until max_tokens and never closes the value.
+_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"( |\n[ \t]{0,20})?"}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 

@@ -117,7 +117,13 @@ def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
             [p.take_rows(torch.arange(p.shape[0])).kernel for p in layer]
             for _ in range(max(0, _LLC_BYTES // nbytes - 1))
         ]
-        candidates["float32+kernels"] = (gemm.matmul, copies, torch.float32)
+        # Block weights with the bf16-activation tiles where the engine would use them.
+        bf16_act = gemm.bf16_available()
+
+        def kernel_matmul(x, w):
+            return gemm.matmul(x, w, bf16=bf16_act and w.kind != gemm.F32)
+
+        candidates["float32+kernels"] = (kernel_matmul, copies, torch.float32)
     bf16 = [b.to(torch.bfloat16) for b in bases]
     nbytes = sum(b.nbytes for b in bf16)
     copies = [bf16] + [[b.clone() for b in bf16] for _ in range(_LLC_BYTES // nbytes - 1)]

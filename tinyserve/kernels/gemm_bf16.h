@@ -1,0 +1,140 @@
+// gemm.c's bf16-activation path (included by gemm.c, after its tiles): Q4_1 / Q8_0 weights
+// times activations rounded to bf16, on AVX512-BF16's vdpbf16ps (two products per lane per
+// instruction: twice the multiply rate of the float tiles, where many rows make the matmul
+// compute-bound). Asked for by gemm's kind | BF16_ACT; built only under __AVX512BF16__.
+//
+// The codes (Q4_1 0..15, Q8_0 -127..127) are exact in bf16, so the weights are still the
+// checkpoint's: only x is rounded (to nearest even). A lane holds a pair of a block's weights
+// p and p + 16 (Q4_1's low and high nibble of byte p), the activations the same pair.
+// Contract, per output, whatever M, the tiling and the thread count:
+//   T = 0; per block b in order: S = 0; for p = 0..15: S = dpbf16(S, (q_p, q_p+16),
+//   (xr_p, xr_p+16)); T = fma(d_b, S, T); Q4_1: T = fma(m_b, sxr_b, T)
+// with xr = bf16(x) and sxr_b = block_sum of block b's xr.
+#define BF16_ACT 16  // the flag in gemm's kind argument
+
+#ifdef __AVX512BF16__
+int gemm_bf16(void) { return 1; }
+
+// Two float vectors whose lanes are exact in bf16 -> one vector of (lo, hi) bf16 pairs.
+INLINE __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                           _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+// Pair p (0..15) of block b of group g: weights p and p + 16 of each of the GW outputs.
+INLINE __m512i code_pairs(const weight_t *w, int64_t g, int64_t b, int p) {
+    if (w->kind == 0) {
+        vf lo, hi;
+        q4_codes(w, g, b, p, &lo, &hi);
+        return bf16_pairs(lo, hi);
+    }
+    return bf16_pairs(q8_codes(w, g, b, p), q8_codes(w, g, b, p + 16));
+}
+
+INLINE vf DPBF16(vf acc, __m512i w, __m512i x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+}
+
+// x rows rounded to bf16: xb [M, K/2] pairs (block b's pair p at b * 16 + p) and, for Q4_1,
+// sx [M, nb] the block sums of the rounded values (block_sum's order).
+static void bf16_activations(const float *x, int64_t ldx, int M, int64_t K, int kind,
+                             uint32_t *xb, float *sx) {
+    const int64_t nb = K / 32;
+    float xr[32] __attribute__((aligned(64)));
+    for (int r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xp = x + (int64_t)r * ldx + b * 32;
+            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp)));
+            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp + 16)));
+            _mm512_storeu_si512(xb + (int64_t)r * (K / 2) + b * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            if (kind == 0) {
+                _mm512_store_ps(xr, _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)));
+                _mm512_store_ps(xr + 16, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+                sx[r * nb + b] = block_sum(xr);
+            }
+        }
+}
+
+// MT rows (from row r0 of the activations) x NT groups (from g0): the pairs converted from
+// the codes (buf NULL: few rows) or read from buf [NT, K/2, GW] (converted once per panel).
+// The sums T stay in registers: 6 x 2 x (S, T) + 2 weight vectors + a broadcast fit in 32.
+INLINE void tile_bf16(const weight_t *w, int64_t g0, const int NT, int prefetch,
+                      const uint32_t *buf, const act_t *a, int r0, const int MT, float *y,
+                      int64_t ldy) {
+    const int64_t nb = w->nb, half = w->K / 2;
+    vf T[6][2], S[6][2];
+    for (int r = 0; r < MT; r++)
+        for (int i = 0; i < NT; i++) T[r][i] = VZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NT; i++) S[r][i] = VZERO();
+        for (int p = 0; p < 16; p++) {
+            __m512i wv[2];
+            for (int i = 0; i < NT; i++)
+                wv[i] = buf ? _mm512_load_si512(buf + ((int64_t)i * half + b * 16 + p) * GW)
+                            : code_pairs(w, g0 + i, b, p);
+            for (int r = 0; r < MT; r++) {
+                const __m512i xv = _mm512_set1_epi32((int)a->xb[(int64_t)(r0 + r) * a->ldxb + b * 16 + p]);
+                for (int i = 0; i < NT; i++) S[r][i] = DPBF16(S[r][i], wv[i], xv);
+            }
+        }
+        for (int r = 0; r < MT; r++)
+            for (int i = 0; i < NT; i++) {
+                const int64_t o = ((g0 + i) * nb + b) * GW;
+                T[r][i] = VFMA(VLOAD(w->d + o), S[r][i], T[r][i]);
+                if (w->kind == 0) T[r][i] = VFMA(VLOAD(w->m + o), VSET1(a->sx[(r0 + r) * nb + b]), T[r][i]);
+            }
+    }
+    for (int r = 0; r < MT; r++)
+        for (int i = 0; i < NT; i++) VSTORE(y + (int64_t)(r0 + r) * ldy + i * GW, T[r][i]);
+}
+
+// One (rows, groups) tile with both counts fixed at compile time.
+INLINE void tile_bf16_any(const weight_t *w, int64_t g, int NT, int prefetch, const uint32_t *buf,
+                          const act_t *a, int r0, int MT, float *y, int64_t ldy) {
+#define BF16_CASE(M_)                                                                        \
+    case M_:                                                                                 \
+        if (NT == 2) tile_bf16(w, g, 2, prefetch, buf, a, r0, M_, y, ldy);                  \
+        else tile_bf16(w, g, 1, 0, buf, a, r0, M_, y, ldy);                                 \
+        break;
+    switch (MT) {
+        BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6)
+        default: break;
+    }
+#undef BF16_CASE
+}
+
+// Rows [0, M) x groups [g0, g1) into y (group g0's first output); buf: this thread's
+// scratch, >= K x GW pairs. Few rows: the codes converted in registers, each pair vector
+// used by every row tile of its group; many rows: converted once per panel into buf.
+static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y, int64_t ldy,
+                      int64_t g0, int64_t g1) {
+    const int M = a->M;
+    const int64_t half = w->K / 2;
+    const int few = M <= MAX_ROWS;
+    for (int p0 = 0; p0 < M; p0 += PANEL) {
+        const int pm = M - p0 < PANEL ? M - p0 : PANEL;
+        const int tiles = (pm + 5) / 6, mt = (pm + tiles - 1) / tiles;  // balanced row tiles
+        for (int64_t g = g0; g < g1;) {
+            const int NG = g + 2 <= g1 ? 2 : 1;
+            if (!few)
+                for (int i = 0; i < NG; i++)
+                    for (int64_t b = 0; b < w->nb; b++)
+                        for (int p = 0; p < 16; p++)
+                            _mm512_store_si512(buf + ((int64_t)i * half + b * 16 + p) * GW, code_pairs(w, g + i, b, p));
+            const int prefetch = few && NG == 2 && g + (PF_TILES + 1) * 2 <= g1;
+            for (int r = p0; r < p0 + pm; r += mt) {
+                const int rows = p0 + pm - r < mt ? p0 + pm - r : mt;
+                tile_bf16_any(w, g, NG, prefetch && r == p0, few ? NULL : buf, a, r, rows,
+                              y + (g - g0) * GW, ldy);
+            }
+            g += NG;
+        }
+    }
+}
+#else  // gemm() answers -2 to a bf16 call here, so these are never reached
+int gemm_bf16(void) { return 0; }
+#define bf16_rows(...) ((void)0)
+#define bf16_activations(...) ((void)0)
+#endif

@@ -4,8 +4,9 @@
 Every server must already be running (vLLM: scripts/setup_vllm_peer.sh, scripts/run_vllm_peer.sh;
 llama.cpp: scripts/build_llamacpp_peer.sh, scripts/run_llamacpp_peer.sh). Runs are
 interleaved: for each repetition, each (workload, concurrency) cell runs on every server in
-turn, the servers' order rotating from one repetition to the next, so a noisy neighbour
-hits all of them alike. Each cell draws one prompt salt (see bench_serving.py) and sends it
+turn, the servers' order rotating from one repetition to the next (and reversed every other
+one, so no server always follows the same peer), with --pause-s idle before each turn, so a
+noisy neighbour hits all of them alike. Each cell draws one prompt salt (see bench_serving.py) and sends it
 to every server, so they all get identical prompts that no earlier run has cached. Medians
 over the repetitions, one entry per (server, workload, concurrency), go to one JSON
 (default benchmarks/results/peers.json) together with the machine it ran on.
@@ -147,6 +148,13 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=1, help="short requests per server first")
     ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    ap.add_argument(
+        "--pause-s",
+        type=float,
+        default=5.0,
+        help="idle seconds before each server's "
+        "turn: a peer still polling its queue after its own turn must not tax the next",
+    )
     ap.add_argument("--machine", default="", help="a free-form note stored with the machine info")
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     args = ap.parse_args()
@@ -163,9 +171,12 @@ def main() -> int:
     for rep in range(args.repeats):
         k = rep % len(servers)
         order = servers[k:] + servers[:k]  # rotate who goes first in each cell
+        if rep % 2:  # and reverse, so that no server always follows the same one
+            order = order[::-1]
         for w, c in cells:
             salt = new_salt()  # one per cell: every server gets the same, fresh prompts
             for label, url in order:
+                time.sleep(args.pause_s)
                 n = max(args.min_requests, c * args.requests_per_client)
                 bargs = build_parser().parse_args(
                     [

@@ -7,17 +7,13 @@ AVX512-BF16; elsewhere the flag must be refused, and "auto" must pick float32.""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
-from test_cpu_kernels import _mixed_steps, _tp1, needs_step, random_blocks
+from test_cpu_kernels import _tp1, random_blocks
 
 from tinyserve.kernels import gemm
 from tinyserve.layers.linear import PackedMethod, resolve_kernel_activations
-from tinyserve.models.loader import load_model
-from tinyserve.testing.paged_runner import PagedRunner
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 BF16_EPS = 2.0**-8  # bf16's round-to-nearest: relative error <= 2^-9, taken with 2x margin
@@ -99,19 +95,3 @@ def test_packed_method_rounds_prompt_rows_to_bf16_and_keeps_int8_decode_rows():
     assert torch.equal(y[2:], gemm.matmul(x[2:], w, bf16=True))
     layer.set_method(PackedMethod(w, bf16=True))
     assert torch.equal(layer(x, num_decode=2), gemm.matmul(x, w, bf16=True))
-
-
-@needs_step
-@needs_bf16
-def test_smollm2_one_c_call_equals_the_python_loop_with_bf16(smollm2_gguf_path):
-    """step.c passes the bf16 flag with each weight: the same bits as llama.py's loop."""
-    fused, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", kernel_activations="bfloat16")
-    loop, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", kernel_activations="bfloat16",
-                         fused_step=False)  # fmt: skip
-    assert fused.model.step_plan is not None
-    names = {m.method.name for m in fused.linear_layers().values()}
-    assert names == {"kernel-q4_1+bf16", "kernel-q8_0+bf16"}
-    a = _mixed_steps(PagedRunner(fused, 16, num_blocks=32, seed=3), random.Random(4))
-    b = _mixed_steps(PagedRunner(loop, 16, num_blocks=32, seed=3), random.Random(4))
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)

@@ -482,13 +482,30 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, arch):
         assert torch.equal(x, y)
 
 
+# SmolLM2 through step.c with rounded activations: flags, whether this CPU can, the methods.
+_BF16 = "+bf16" if gemm.bf16_available() else ""  # the default activations' suffix here
+ROUNDED_STEP = {
+    "int8-decode": ({"decode_activations": "int8"}, gemm.q8_available,
+                    {f"kernel-q4_1{_BF16}+int8-decode", f"kernel-q8_0{_BF16}+int8-decode"}),
+    "bf16": ({"kernel_activations": "bfloat16"}, gemm.bf16_available,
+             {"kernel-q4_1+bf16", "kernel-q8_0+bf16"}),
+}  # fmt: skip
+
+
 @needs_step
-@needs_q8
-def test_smollm2_one_c_call_equals_the_python_loop_with_int8_decode(smollm2_gguf_path):
-    fused, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", decode_activations="int8")
-    loop, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", decode_activations="int8",
-                         fused_step=False)  # fmt: skip
+@pytest.mark.parametrize("mode", list(ROUNDED_STEP))
+def test_smollm2_one_c_call_equals_the_python_loop_with_rounded_activations(
+    smollm2_gguf_path, mode
+):
+    """step.c passes each weight's int8-decode and bf16 flags: the same bits as the loop."""
+    kwargs, available, names = ROUNDED_STEP[mode]
+    if not available():
+        pytest.skip(f"{mode} needs " + ("the AVX2 integer kernel" if mode == "int8-decode"
+                                        else "a CPU with AVX512-BF16"))  # fmt: skip
+    fused, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", **kwargs)
+    loop, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", fused_step=False, **kwargs)
     assert fused.model.step_plan is not None
+    assert {m.method.name for m in fused.linear_layers().values()} == names
     a = _mixed_steps(PagedRunner(fused, 16, num_blocks=32, seed=3), random.Random(4))
     b = _mixed_steps(PagedRunner(loop, 16, num_blocks=32, seed=3), random.Random(4))
     for x, y in zip(a, b, strict=True):

@@ -69,8 +69,9 @@ class Executor:
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_engine_dtype(
-            args.dtype, self.device, args.model, args.cpu_kernels, args.quantization
-        )
+            args.dtype, self.device, args.model, args.cpu_kernels, args.quantization,
+            args.kernel_activations,
+        )  # fmt: skip
         self.t0 = time.monotonic()
         self.tp_driver = _start_tensor_parallel(args, self.dtype) if self.distributed else None
         tp = self.tp_driver.group if self.tp_driver else TPGroup(device=self.device)

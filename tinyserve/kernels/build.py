@@ -92,6 +92,13 @@ def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
         out.replace(so_path)  # atomic: concurrent builders never see half a file
 
 
+def source_bytes(name: str) -> bytes:
+    """kernels/<name>.c and the headers beside it (simd.h, included by every kernel;
+    gemm_bf16.h): what a build, or a measurement of one, depends on."""
+    source = Path(__file__).with_name(f"{name}.c")
+    return source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """``tinyserve/kernels/<name>.c`` compiled for this CPU, or None when unusable here."""
@@ -104,11 +111,7 @@ def load(name: str) -> ctypes.CDLL | None:
     _log_level(level)
     source = Path(__file__).with_name(f"{name}.c")
     flags = ISA_LEVELS[level][1]
-    # The headers beside the sources (simd.h, included by every kernel; gemm_bf16.h).
-    shared = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + shared + " ".join(flags).encode()).hexdigest()[
-        :16
-    ]
+    digest = hashlib.sha256(source_bytes(name) + " ".join(flags).encode()).hexdigest()[:16]
     so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest}.so"
     try:
         if not so_path.exists():

@@ -360,8 +360,8 @@ static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tai
 }
 
 // Entry point (ctypes). Groups are split over threads in units of 32 outputs (the decode tile).
-// flags: a weight kind, | BF16_ACT for the bf16-activation path. Returns 0, -1 when its scratch memory could not
-// be allocated, -2 for a bf16 call this build cannot serve (nothing computed).
+// flags: a weight kind, | BF16_ACT for the bf16 activations. Returns 0, -1 when its scratch
+// memory could not be allocated, -2 for a bf16 call this build cannot serve (nothing computed).
 int gemm(int flags, const void *qs, const float *d, const float *m, const float *x,
          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
     const int bf16 = (flags & BF16_ACT) != 0, kind = flags & (BF16_ACT - 1);

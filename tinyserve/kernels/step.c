@@ -25,6 +25,8 @@ typedef int (*attn_fn)(const float *, int64_t, const float *, const float *, int
                        const int64_t *, const int64_t *, const int64_t *, int64_t,
                        const int32_t *, int64_t, float, float *, int);
 
+#define KIND_MASK 15  // a weight kind without gemm_bf16.h's BF16_ACT (16): what qgemm takes
+
 typedef struct {
     int64_t kind, int8_decode;  // kind as gemm takes it (| 16: bf16 activations); int8_decode:
                                 // decode rows through qgemm
@@ -64,7 +66,7 @@ static int linear(const model_t *mo, const linear_t *w, const float *x, float *y
                   int nt) {
     int rc = 0;
     if (w->int8_decode && nd > 0) {
-        rc = mo->qgemm((int)w->kind & 15, w->q8_qs, w->q8_d, w->q8_m, x, w->K, y, w->N, w->N, w->K,
+        rc = mo->qgemm((int)w->kind & KIND_MASK, w->q8_qs, w->q8_d, w->q8_m, x, w->K, y, w->N, w->N, w->K,
                        nd, nt);
         if (nd < M)
             rc |= mo->gemm((int)w->kind, w->qs, w->d, w->m, x + (int64_t)nd * w->K, w->K,

@@ -73,7 +73,7 @@ def _linear(layer) -> _Linear | None:
     n, k = kw.shape
     q8 = method.packed if method.int8_decode else None
     q8_ptrs = (None, None, None) if q8 is None else (_ptr(q8.qs), _ptr(q8.d), _ptr(q8.m))
-    kind = gemm._KIND_IDS[kw.kind] | (gemm.BF16_ACT if getattr(method, "bf16", False) else 0)
+    kind = gemm._KIND_IDS[kw.kind] | (gemm.BF16_ACT if method.bf16 else 0)
     return _Linear(kind, int(method.int8_decode), _ptr(kw.qs), _ptr(kw.d),
                    _ptr(kw.m), _ptr(layer.bias), n, k, *q8_ptrs)  # fmt: skip
 

@@ -90,11 +90,7 @@ def load_model(
     ``kernel_activations``: "bfloat16" rounds the other rows' activations to bf16 on those
     blocks (AVX512-BF16; "auto" picks it where the CPU has it). ``fused_step``: all layers in
     one C call where every layer is on the kernels. The tokenizer is separate."""
-    from tinyserve.layers.linear import (
-        check_quantization,
-        choose_linear_methods,
-        resolve_kernel_activations,
-    )
+    from tinyserve.layers.linear import check_quantization, choose_linear_methods
 
     check_quantization(quantization, cpu_kernels, dtype, device)
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
@@ -113,7 +109,6 @@ def load_model(
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
-    kernel_activations = resolve_kernel_activations(kernel_activations)
     counts = choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
@@ -124,7 +119,8 @@ def load_model(
 
 
 def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel_act: str):
-    """Log each layer's method (and warn about an activation flag that applies nowhere)."""
+    """Log each layer's method, the kernels' activations as the methods took them (and warn
+    about an activation flag that applies nowhere)."""
     layers = net.linear_layers().values()
     if decode_activations == "int8" and not any(
         getattr(m.method, "int8_decode", False) for m in layers
@@ -133,12 +129,13 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
             "--decode-activations int8 has no effect here: it needs a GGUF's Q4_1/Q8_0 blocks "
             "on the CPU kernels (float32, tensor parallel size 1)"
         )
-    if kernel_act == "bfloat16" and not any(getattr(m.method, "bf16", False) for m in layers):
-        kernel_act = "float32 (bfloat16 needs a GGUF's Q4_1/Q8_0 blocks on the CPU kernels)"
+    taken = "bfloat16" if any(getattr(m.method, "bf16", False) for m in layers) else "float32"
+    if kernel_act == "bfloat16" and taken == "float32":
+        taken += " (bfloat16 needs a GGUF's Q4_1/Q8_0 blocks on kernels built for AVX512-BF16)"
     logger.info(
         "linear methods: %s (kernel activations %s); attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
-        kernel_act,
+        taken,
         net.attention_backend,
         net.model.step_plan is not None,
     )

@@ -64,16 +64,12 @@ class Choice:
 Shapes = tuple[tuple[str, int, int], ...]  # (weight kind, N, K) of each matmul of a layer
 
 
-def _key(shapes: Shapes) -> str:
-    from pathlib import Path
+def _key(shapes: Shapes, bf16_act: bool) -> str:
+    from tinyserve.kernels.build import isa_level, source_bytes
 
-    import tinyserve.kernels as kernels
-    from tinyserve.kernels.build import isa_level
-
-    folder = Path(kernels.__file__).parent
-    kernel_src = (folder / "gemm.c").read_bytes() + (folder / "simd.h").read_bytes()
+    kernel_src = source_bytes("gemm")
     # the level the kernels are built for: TINYSERVE_CPU_ISA may lower it on the same CPU
-    flags = f"{isa_level()} " + " ".join(sorted(cpu_flags()))
+    flags = f"{isa_level()} {'bf16-act ' if bf16_act else ''}" + " ".join(sorted(cpu_flags()))
     h = hashlib.sha256(kernel_src + flags.encode()).hexdigest()[:12]
     layer = ",".join(f"{kind}:{n}x{k}" for kind, n, k in shapes)
     return f"{cpu_model_name()}|{torch.__version__}|{h}|{layer}"
@@ -100,7 +96,7 @@ def _packed(kind: str, base: torch.Tensor):
     return gemm.quantize_int8(base) if kind == gemm.Q8_0 else gemm.from_dense(base)
 
 
-def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
+def _measure(shapes: Shapes, bf16_act: bool = False) -> dict[str, dict[int, float]]:
     """ms per decoder layer (every matmul of ``shapes``, each call's own cost included) per
     candidate and row count."""
     from tinyserve.kernels import gemm
@@ -117,9 +113,8 @@ def _measure(shapes: Shapes) -> dict[str, dict[int, float]]:
             [p.take_rows(torch.arange(p.shape[0])).kernel for p in layer]
             for _ in range(max(0, _LLC_BYTES // nbytes - 1))
         ]
-        # Block weights with the bf16-activation tiles where the engine would use them.
-        bf16_act = gemm.bf16_available()
 
+        # Block weights through the bf16-activation tiles where the engine will use them.
         def kernel_matmul(x, w):
             return gemm.matmul(x, w, bf16=bf16_act and w.kind != gemm.F32)
 
@@ -176,7 +171,7 @@ def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     return pick, f"{pick} is within {worst_ratio[pick]:.2f}x of the best at every shape ({shown})"
 
 
-def _calibrate(shapes: Shapes) -> tuple[dict | None, float, float]:
+def _calibrate(shapes: Shapes, bf16_act: bool) -> tuple[dict | None, float, float]:
     """(timings, seconds, share of our CPUs that others took): timings is None when the
     machine stayed busy over two tries. Candidates taking turns hit alike by a steady load is
     not enough: a load that preempts the kernels' OpenMP workers makes every parallel region
@@ -193,7 +188,7 @@ def _calibrate(shapes: Shapes) -> tuple[dict | None, float, float]:
         # main thread, made every kernel call of the engine thread wake its workers through
         # the kernel: served TPOT 7 -> 14 ms at one stream here. The team ends with the thread.
         with ThreadPoolExecutor(1, thread_name_prefix="tinyserve-calibration") as pool:
-            timings = pool.submit(_measure, shapes).result()
+            timings = pool.submit(_measure, shapes, bf16_act).result()
         others = others_cpu_seconds(before, cpu_time_snapshot())
         share = 0.0 if others is None else others / ((time.monotonic() - t) * usable_cpus())
         if share <= BUSY_SHARE:
@@ -201,12 +196,13 @@ def _calibrate(shapes: Shapes) -> tuple[dict | None, float, float]:
     return None, time.monotonic() - t0, share
 
 
-def choose_cpu_dtype(shapes: Shapes) -> Choice:
+def choose_cpu_dtype(shapes: Shapes, kernel_activations: str = "auto") -> Choice:
     """The dtype ``--dtype auto`` resolves to on this CPU for a model whose decoder layer
     makes the matmuls ``shapes`` ((kind, N, K): q4_1, q8_0 or f32 weights), measured once per
     CPU and cached. A CPU without native bf16 is not measured (torch's bf16 GEMM is emulated
     there, 5-10x slower than the kernels at every shape); a measurement the machine's other
     load disturbed is not trusted: the kernels this start, nothing cached."""
+    from tinyserve.layers.linear import resolve_kernel_activations
     from tinyserve.worker.device import cpu_has_native_bf16
 
     if not cpu_has_native_bf16():
@@ -214,14 +210,15 @@ def choose_cpu_dtype(shapes: Shapes) -> Choice:
         return Choice(torch.float32, f"float32+kernels, not measured: {why}", {})
     path = cache_dir() / "calibration.json"
     shapes = tuple(tuple(s) for s in shapes)
-    key = _key(shapes)
+    bf16_act = resolve_kernel_activations(kernel_activations) == "bfloat16"
+    key = _key(shapes, bf16_act)
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
     entry = cache.get(key)
     if entry is None:
-        timings, seconds, share = _calibrate(shapes)
+        timings, seconds, share = _calibrate(shapes, bf16_act)
         if timings is None:
             why = (
                 f"float32+kernels, not cached: other processes took {share:.0%} of the CPUs "
@@ -247,9 +244,12 @@ def choose_cpu_dtype(shapes: Shapes) -> Choice:
     return Choice(dtype, why, entry["timings_ms"])
 
 
-def resolve_engine_dtype(dtype, device: torch.device, model, cpu_kernels: bool, quantization):
+def resolve_engine_dtype(
+    dtype, device: torch.device, model, cpu_kernels: bool, quantization, kernel_activations="auto"
+):
     """The engine's (and every tensor-parallel rank's) dtype: ``auto`` on a CPU with the
-    kernels is calibrated (logged with the reason); anything else as worker/device.py says."""
+    kernels is calibrated (logged with the reason), the kernels timed with the activations
+    the engine will give them; anything else as worker/device.py says."""
     from tinyserve.worker.device import resolve_dtype
 
     if dtype not in (None, "auto") or device.type != "cpu" or not cpu_kernels:
@@ -259,6 +259,6 @@ def resolve_engine_dtype(dtype, device: torch.device, model, cpu_kernels: bool, 
 
     if not gemm.available():
         return resolve_dtype(dtype, device)
-    choice = choose_cpu_dtype(layer_matmuls(model, quantization))
+    choice = choose_cpu_dtype(layer_matmuls(model, quantization), kernel_activations)
     logger.info("--dtype auto -> %s: %s", str(choice.dtype).replace("torch.", ""), choice.reason)
     return choice.dtype

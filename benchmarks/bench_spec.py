@@ -5,8 +5,10 @@ Two ``tinyserve serve`` processes on the default model, one with ``--speculative
 and one without, run the same workloads (bench_serving.py: ``grounded`` — a ~350-token
 passage of code to repeat, edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
 server at a time, the order alternating each repetition (off/on, on/off, ...). Greedy, as
-bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio on/off,
-and from /metrics the acceptance rate and output tokens per verified draft step.
+bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio on/off of
+the medians and the median of each repetition's on/off (``paired_ratio``: the two runs are
+back to back, so a host whose speed drifts between repetitions moves both), and from
+/metrics the acceptance rate and output tokens per verified draft step.
 
 python benchmarks/bench_spec.py [--reps 2] [--out benchmarks/results/spec_decode.json]
     [--spec '{"method": "ngram", ...}'] [--cells grounded:1,mixed:8]
@@ -107,7 +109,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     for c in results:
         print(f"{c['workload']:>8} c={c['concurrency']:>2}: off {c['off_tok_s']:.1f}  on "
-              f"{c['on_tok_s']:.1f}  ratio {c['ratio']:.2f}  TPOT off/on {c['tpot_ratio']:.2f}"
+              f"{c['on_tok_s']:.1f}  ratio {c['ratio']:.2f} (paired {c['paired_ratio']:.2f})"
+              f"  TPOT off/on {c['tpot_ratio']:.2f}"
               f"  acceptance {c['acceptance']}"
               f"  tokens/draft step {c['tokens_per_draft_step']}")  # fmt: skip
     return 0
@@ -123,7 +126,13 @@ def summarize(cell: dict) -> dict:
     accepted = sum(d.get("num_accepted_tokens_total", 0) for d in spec)
     tpot = {m: statistics.median(r["tpot_median_s"] for r in runs if r["mode"] == m)
             for m in ("off", "on")}  # fmt: skip
+    # Each repetition's on / off, the two runs back to back: steadier than the ratio of the
+    # medians on a host whose speed drifts between repetitions.
+    by_rep = {(r["rep"], r["mode"]): r["output_tok_s"] for r in runs}
+    reps = sorted({r["rep"] for r in runs})
+    paired = statistics.median(by_rep[(k, "on")] / by_rep[(k, "off")] for k in reps)
     cell.update(off_tok_s=med["off"], on_tok_s=med["on"], ratio=med["on"] / med["off"],
+                paired_ratio=paired,
                 tpot_ratio=tpot["off"] / tpot["on"] if tpot["on"] else None,
                 acceptance=round(accepted / proposed, 3) if proposed else None,
                 tokens_per_draft_step=round(1 + accepted / drafts, 2) if drafts else None,

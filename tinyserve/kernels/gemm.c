@@ -18,11 +18,9 @@
 //           (sx_b: the block's sum of x, block_sum's fixed order); y = T
 //   kind 1  T = 0; per block: S = 0; for j = 0..31: S = fma(q_j, x_j, S); T = fma(d_b, S, T)
 //   kind 2  T = 0; for k = 0..K-1: T = fma(w_k, x_k, T)
-// with the codes q converted to float exactly. The scale is applied once per block of 32
-// products instead of once per weight (the old layout dequantised every weight: one FMA
-// more per weight, and lanes along K summed at the end). Tiling only decides which
-// (output group, row) pairs share a converted vector of codes; T goes through y between
-// blocks, which does not change its value.
+// with the codes q converted to float exactly, the scale once per block of 32 products.
+// Tiling only decides which (output group, row) pairs share a converted vector of codes and
+// a broadcast x; T goes through y between blocks, which does not change its value.
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
 
@@ -77,9 +75,8 @@ INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, f
     VSTORE(yt, t);
 }
 
-// Prefetch block b of the NT groups starting at ga (their codes, scales, minima): called for
-// b = 0 .. nb-1 while an earlier tile computes, the memory-level parallelism the hardware
-// prefetcher does not reach at one decode row.
+// Prefetch block b of the NT groups at ga (codes, scales, minima) while an earlier tile
+// computes: memory-level parallelism the hardware prefetcher does not reach at one row.
 INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b) {
     const int64_t cb = (w->kind == 0 ? 16 : 32) * GW;  // code bytes of a group's block
     for (int i = 0; i < NT; i++) {
@@ -95,12 +92,11 @@ INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b) {
 #define PF_TILES 2  // the few-row tiles prefetch the tile this many tiles ahead
 
 // Few rows (decode, a verification run): MT rows x NT groups straight from the codes, each
-// converted vector used by all MT rows. x rows at ldx, sx [MT, nb], y: the tile's first
-// output (group g0), rows at ldy. TREG: the sums T stay in registers (else they go through
-// y between blocks: where MT x NT x 2 vectors would not fit in the registers).
+// converted vector used by all MT rows. x rows at ldx, sx [MT, nb], y: the tile's first output
+// (group g0), rows at ldy. TREG: the sums T stay in registers (else through y between blocks).
 INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch,
                        const float *x, int64_t ldx, const float *sx, const int MT, float *y,
-                       int64_t ldy, const int TREG) {
+                       int64_t ldy, const int TREG, const int CF) {
     const int64_t nb = w->nb;
     vf T[8][4];
     if (TREG)
@@ -111,23 +107,29 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
         vf S[8][4];
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) S[r][i] = VZERO();
+        // NI groups at a time: their codes, then each row's broadcasts serve all NI. CF: all
+        // NT at once (fewer broadcasts), else one (fewer registers for codes).
+        const int NI = CF ? NT : 1;
         if (w->kind == 0) {
             for (int p = 0; p < 16; p++)
-                for (int i = 0; i < NT; i++) {
-                    vf lo, hi;
-                    q4_codes(w, g0 + i, b, p, &lo, &hi);
+                for (int i0 = 0; i0 < NT; i0 += NI) {
+                    vf lo[4], hi[4];
+                    for (int i = i0; i < i0 + NI; i++) q4_codes(w, g0 + i, b, p, &lo[i], &hi[i]);
                     for (int r = 0; r < MT; r++) {
                         const float *xr = x + r * ldx + b * 32 + p;
-                        S[r][i] = VFMA(lo, VBCAST(xr), S[r][i]);
-                        S[r][i] = VFMA(hi, VBCAST(xr + 16), S[r][i]);
+                        const vf xl = VBCAST(xr), xh = VBCAST(xr + 16);
+                        for (int i = i0; i < i0 + NI; i++) S[r][i] = VFMA(hi[i], xh, VFMA(lo[i], xl, S[r][i]));
                     }
                 }
         } else {
             for (int j = 0; j < 32; j++)
-                for (int i = 0; i < NT; i++) {
-                    vf q = q8_codes(w, g0 + i, b, j);
-                    for (int r = 0; r < MT; r++)
-                        S[r][i] = VFMA(q, VBCAST(x + r * ldx + b * 32 + j), S[r][i]);
+                for (int i0 = 0; i0 < NT; i0 += NI) {
+                    vf q[4];
+                    for (int i = i0; i < i0 + NI; i++) q[i] = q8_codes(w, g0 + i, b, j);
+                    for (int r = 0; r < MT; r++) {
+                        const vf xv = VBCAST(x + r * ldx + b * 32 + j);
+                        for (int i = i0; i < i0 + NI; i++) S[r][i] = VFMA(q[i], xv, S[r][i]);
+                    }
                 }
         }
         for (int r = 0; r < MT; r++)
@@ -217,8 +219,7 @@ INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
 #define PANEL 128    // many rows: row panels whose x stays in L2
 
-// Rows [0, M) x groups [g0, g1) into y, which points at group g0's first output (full
-// groups only: every lane is stored).
+// Rows [0, M) x groups [g0, g1) into y (group g0's first output; full groups only).
 static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
                      int64_t ldy, int64_t g0, int64_t g1) {
     for (int r0 = 0; r0 < M; r0 += 6) {
@@ -242,35 +243,34 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
 }
 
 // Quantised weights: rows [0, M) x groups [g0, g1) into y (group g0's first output); buf:
-// this thread's [2, K, GW] floats.
-// The tile shapes per row count were measured (bench_kernels.py; architecture.md).
+// this thread's [2, K, GW] floats. The tile shapes per row count were measured.
 INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const float *sx,
                        float *buf, int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
     const int64_t nb = w->nb;
-#define CODES_CASE(MT, NT, TREG)                                                             \
+#define CODES_CASE(MT, NT, TREG, CF)                                                           \
     case MT: {                                                                               \
         int64_t g = g0;                                                                      \
         for (; g + NT <= g1; g += NT)                                                        \
             tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, x, ldx, sx, MT,               \
-                       y + (g - g0) * GW, ldy, TREG);                                        \
+                       y + (g - g0) * GW, ldy, TREG, CF);                                    \
         if (NT > 2)                                                                          \
             for (; g + 2 <= g1; g += 2)                                                      \
-                tile_codes(w, g, 2, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG);        \
+                tile_codes(w, g, 2, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG, CF);    \
         for (; g < g1; g++)                                                                  \
-            tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG);            \
+            tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG, 0);        \
         break;                                                                               \
     }
-    // Measured (benchmarks/README.md, "AVX-512"): with 16 lanes a tile of 2 groups (32
-    // outputs, AVX2's 4 x 8) is best at every few-row count; wider tiles leave a thread too
-    // few tiles for the prefetch ahead (1 row: 2 groups 4.1-4.5 ms, 4 groups ~5.2, 8 groups 6.1).
+    // Measured (benchmarks/README.md, "AVX-512"): with 16 lanes 2 groups (32 outputs) is best
+    // at every few-row count (1 row: 2 groups 4.1-4.5 ms, 4 groups ~5.2, 8 groups 6.1). AVX2,
+    // Zen 3: 4-6 rows x 2 groups codes first, 1.07-1.18x 1 group ("Few-row tiles on Zen 3").
     if (M <= MAX_ROWS) {
         switch (M) {
 #if GW == 16
-            CODES_CASE(1, 2, 1) CODES_CASE(2, 2, 1) CODES_CASE(3, 2, 1) CODES_CASE(4, 2, 1)
-            CODES_CASE(5, 2, 1) CODES_CASE(6, 2, 1) CODES_CASE(7, 2, 0) CODES_CASE(8, 2, 0)
+            CODES_CASE(1, 2, 1, 0) CODES_CASE(2, 2, 1, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 1, 0)
+            CODES_CASE(5, 2, 1, 0) CODES_CASE(6, 2, 1, 0) CODES_CASE(7, 2, 0, 0) CODES_CASE(8, 2, 0, 0)
 #else
-            CODES_CASE(1, 4, 1) CODES_CASE(2, 4, 0) CODES_CASE(3, 2, 1) CODES_CASE(4, 1, 1)
-            CODES_CASE(5, 1, 1) CODES_CASE(6, 1, 1) CODES_CASE(7, 1, 0) CODES_CASE(8, 1, 0)
+            CODES_CASE(1, 4, 1, 0) CODES_CASE(2, 4, 0, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 0, 1)
+            CODES_CASE(5, 2, 0, 1) CODES_CASE(6, 2, 0, 1) CODES_CASE(7, 1, 0, 0) CODES_CASE(8, 1, 0, 0)
 #endif
             default: break;
         }

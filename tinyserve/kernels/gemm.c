@@ -65,8 +65,7 @@ INLINE vf q8_codes(const weight_t *w, int64_t g, int64_t b, int j) {
 #endif
 }
 
-// End of block b for the (row r, group i) partial sum S: T (kept in y) takes the scale and,
-// for Q4_1, the minimum times the block's sum of x.
+// End of block b for a partial sum S: T (in y) takes the scale and (Q4_1) min x sum of x.
 INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, float *yt) {
     const int64_t o = (g * w->nb + b) * GW;
     vf t = b ? VLOAD(yt) : VZERO();
@@ -150,15 +149,13 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
             for (int i = 0; i < NT; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
 }
 
-// Rows per buffered tile, and whether its sums T stay in registers across blocks: with
-// AVX-512's 32 registers 6 rows x 2 groups x (S, T) + 2 weight vectors + a broadcast fit (~6%
-// faster than 8 rows with T through y); with AVX2's 16, 6 x 2 S only and T through y.
+// Rows per buffered tile; T in registers across blocks with AVX-512's 32 (6 x 2 x (S, T) + 2
+// weight vectors + a broadcast; ~6% faster than 8 rows), through y with AVX2's 16.
 #define MTB 6
 #define BUF_TREG (GW == 16)
 
-// Many rows: the codes of NB groups converted once per panel into buf [NB, K, GW] floats, in
-// the contract's order within each block (Q4_1: p, p + 16, p + 1, ...), then this tile of MT
-// rows x NB groups runs over them.
+// Many rows: the codes of NB groups converted once per panel into buf [NB, K, GW] floats (in
+// the contract's order: Q4_1 p, p + 16, p + 1, ...), then MT rows x NB groups over them.
 INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const int NB,
                           const float *x, int64_t ldx, const float *sx, const int MT, float *y,
                           int64_t ldy) {
@@ -251,20 +248,24 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     case MT: {                                                                               \
         int64_t g = g0;                                                                      \
         for (; g + NT <= g1; g += NT)                                                        \
-            tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, x, ldx, sx, MT,               \
-                       y + (g - g0) * GW, ldy, TREG, CF);                                    \
+            tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, xr, ldx, sr, MT,               \
+                       yr + (g - g0) * GW, ldy, TREG, CF);                                    \
         if (NT > 2)                                                                          \
             for (; g + 2 <= g1; g += 2)                                                      \
-                tile_codes(w, g, 2, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG, CF);    \
+                tile_codes(w, g, 2, 0, xr, ldx, sr, MT, yr + (g - g0) * GW, ldy, TREG, CF);    \
         for (; g < g1; g++)                                                                  \
-            tile_codes(w, g, 1, 0, x, ldx, sx, MT, y + (g - g0) * GW, ldy, TREG, 0);        \
+            tile_codes(w, g, 1, 0, xr, ldx, sr, MT, yr + (g - g0) * GW, ldy, TREG, 0);        \
         break;                                                                               \
     }
-    // Measured (benchmarks/README.md, "AVX-512"): with 16 lanes 2 groups (32 outputs) is best
-    // at every few-row count (1 row: 2 groups 4.1-4.5 ms, 4 groups ~5.2, 8 groups 6.1). AVX2,
-    // Zen 3: 4-6 rows x 2 groups codes first, 1.07-1.18x 1 group ("Few-row tiles on Zen 3").
-    if (M <= MAX_ROWS) {
-        switch (M) {
+    // Measured (benchmarks/README.md, "AVX-512", "Few-row tiles on Zen 3"): 16 lanes, 2 groups
+    // at every row count; AVX2, Zen 3: 4-6 rows x 2 groups codes first (1.07-1.37x 1 group).
+    // AVX2, 9-16 rows: two few-row halves beat the buffered panels (1.2-1.5x on Zen 3).
+    if (M <= (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)) {
+        for (int r0 = 0, mh; r0 < M; r0 += mh) {
+            mh = M <= MAX_ROWS ? M : r0 ? M - r0 : (M + 1) / 2;
+            const float *xr = x + (int64_t)r0 * ldx, *sr = w->kind ? sx : sx + (int64_t)r0 * nb;
+            float *yr = y + (int64_t)r0 * ldy;
+            switch (mh) {
 #if GW == 16
             CODES_CASE(1, 2, 1, 0) CODES_CASE(2, 2, 1, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 1, 0)
             CODES_CASE(5, 2, 1, 0) CODES_CASE(6, 2, 1, 0) CODES_CASE(7, 2, 0, 0) CODES_CASE(8, 2, 0, 0)
@@ -273,6 +274,7 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
             CODES_CASE(5, 2, 0, 1) CODES_CASE(6, 2, 0, 1) CODES_CASE(7, 1, 0, 0) CODES_CASE(8, 1, 0, 0)
 #endif
             default: break;
+            }
         }
         return;
     }
@@ -359,9 +361,8 @@ static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tai
     }
 }
 
-// Entry point (ctypes). Groups are split over threads in units of 32 outputs (the decode tile).
-// flags: a weight kind, | BF16_ACT for the bf16 activations. Returns 0, -1 when its scratch
-// memory could not be allocated, -2 for a bf16 call this build cannot serve (nothing computed).
+// Entry point (ctypes); threads split the groups in units of 32 outputs. flags: a weight kind
+// | BF16_ACT. Returns 0, -1 without scratch memory, -2 for a bf16 call this build cannot serve.
 int gemm(int flags, const void *qs, const float *d, const float *m, const float *x,
          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
     const int bf16 = (flags & BF16_ACT) != 0, kind = flags & (BF16_ACT - 1);
@@ -370,8 +371,7 @@ int gemm(int flags, const void *qs, const float *d, const float *m, const float 
     weight_t w = {kind, qs, d, m, K, N, K / 32};
     const int64_t G = (N + GW - 1) / GW, nb = K / 32;
     if (nthreads < 1 || N < 64) nthreads = 1;
-    // Scratch: sx [M, nb] | bufs [threads, 2K x GW] (many rows) | tail [M, GW]; each part a
-    // multiple of 16 floats, so that every part stays 64-byte aligned. A few KB at decode.
+    // Scratch: sx [M, nb] | bufs [threads, 2K x GW] | tail [M, GW], each 64-byte aligned.
     const size_t n_sx = kind == 0 ? ((size_t)M * nb + 15) / 16 * 16 : 0;
     const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * GW : 0;
     const size_t n_xb = bf16 ? ((size_t)M * K / 2 + 15) / 16 * 16 : 0;  // | xb [M, K/2] (bf16)

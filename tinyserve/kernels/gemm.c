@@ -214,6 +214,7 @@ INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x
 }
 
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
+#define FEW_ROWS (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)  // AVX2: 9-16 rows as two halves (1.2-1.5x)
 #define PANEL 128    // many rows: row panels whose x stays in L2
 
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output; full groups only).
@@ -259,8 +260,7 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     }
     // Measured (benchmarks/README.md, "AVX-512", "Few-row tiles on Zen 3"): 16 lanes, 2 groups
     // at every row count; AVX2, Zen 3: 4-6 rows x 2 groups codes first (1.07-1.37x 1 group).
-    // AVX2, 9-16 rows: two few-row halves beat the buffered panels (1.2-1.5x on Zen 3).
-    if (M <= (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)) {
+    if (M <= FEW_ROWS) {
         for (int r0 = 0, mh; r0 < M; r0 += mh) {
             mh = M <= MAX_ROWS ? M : r0 ? M - r0 : (M + 1) / 2;
             const float *xr = x + (int64_t)r0 * ldx, *sr = w->kind ? sx : sx + (int64_t)r0 * nb;
@@ -373,7 +373,7 @@ int gemm(int flags, const void *qs, const float *d, const float *m, const float 
     if (nthreads < 1 || N < 64) nthreads = 1;
     // Scratch: sx [M, nb] | bufs [threads, 2K x GW] | tail [M, GW], each 64-byte aligned.
     const size_t n_sx = kind == 0 ? ((size_t)M * nb + 15) / 16 * 16 : 0;
-    const size_t n_buf = kind != 2 && M > MAX_ROWS ? (size_t)nthreads * 2 * K * GW : 0;
+    const size_t n_buf = kind != 2 && M > FEW_ROWS ? (size_t)nthreads * 2 * K * GW : 0;
     const size_t n_xb = bf16 ? ((size_t)M * K / 2 + 15) / 16 * 16 : 0;  // | xb [M, K/2] (bf16)
     float *base = (float *)aligned_alloc(64, (n_sx + n_buf + (size_t)M * 16 + n_xb) * sizeof(float));
     if (base == NULL) return -1;

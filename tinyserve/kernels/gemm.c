@@ -98,9 +98,8 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
                        int64_t ldy, const int TREG, const int CF) {
     const int64_t nb = w->nb;
     vf T[8][4];
-    if (TREG)
-        for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NT; i++) T[r][i] = VZERO();
+    for (int r = 0; r < MT; r++)  // (unused unless TREG)
+        for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
         if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
         vf S[8][4];
@@ -161,13 +160,13 @@ INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const
                           int64_t ldy) {
     const int64_t nb = w->nb, K = w->K;
     vf T[MTB][2];
-    if (BUF_TREG)
-        for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NB; i++) T[r][i] = VZERO();
+    for (int r = 0; r < MT; r++)  // (unused unless BUF_TREG)
+        for (int i = 0; i < NB; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
         vf S[MTB][2];
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NB; i++) S[r][i] = VZERO();
+#pragma GCC unroll 32  // constant x offsets: no index arithmetic per step (1.16-1.32x, Zen 3)
         for (int j = 0; j < 32; j++) {
             const int kk = w->kind == 0 ? (j & 1) * 16 + (j >> 1) : j;  // x index in the block
             vf wv[2];
@@ -307,8 +306,7 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
         else tile_buffered(w, g, buf, 1, xr, ldx, sr, MT, yr, ldy);                         \
         break;
                 switch (mt) {
-                    BUF_CASE(1) BUF_CASE(2) BUF_CASE(3) BUF_CASE(4) BUF_CASE(5) BUF_CASE(6)
-                    default: break;
+                    BUF_CASE(1) BUF_CASE(2) BUF_CASE(3) BUF_CASE(4) BUF_CASE(5) BUF_CASE(6) default: break;
                 }
 #undef BUF_CASE
             }

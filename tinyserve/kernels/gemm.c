@@ -109,6 +109,7 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
         // NT at once (fewer broadcasts), else one (fewer registers for codes).
         const int NI = CF ? NT : 1;
         if (w->kind == 0) {
+#pragma GCC unroll 16  // as tile_buffered's j loop (1.03-1.14x at 2-16 rows, Zen 3)
             for (int p = 0; p < 16; p++)
                 for (int i0 = 0; i0 < NT; i0 += NI) {
                     vf lo[4], hi[4];
@@ -120,6 +121,7 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
                     }
                 }
         } else {
+#pragma GCC unroll 32
             for (int j = 0; j < 32; j++)
                 for (int i0 = 0; i0 < NT; i0 += NI) {
                     vf q[4];
@@ -143,9 +145,8 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
                 }
             }
     }
-    if (TREG)
-        for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NT; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
+    for (int r = 0; TREG && r < MT; r++)
+        for (int i = 0; i < NT; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
 }
 
 // Rows per buffered tile; T in registers across blocks with AVX-512's 32 (6 x 2 x (S, T) + 2
@@ -188,9 +189,8 @@ INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const
                 }
             }
     }
-    if (BUF_TREG)
-        for (int r = 0; r < MT; r++)
-            for (int i = 0; i < NB; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
+    for (int r = 0; BUF_TREG && r < MT; r++)
+        for (int i = 0; i < NB; i++) VSTORE(y + r * ldy + i * GW, T[r][i]);
 }
 
 // float32 weights: MT rows x NT groups, T in registers over all of K.

@@ -66,9 +66,12 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
     const int last = (n - 1) / 8 * 8;
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
         _mm256_set1_epi32(n - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    // Per head: scores, then exponentials, then the weighted sum of the values; all heads'
+    // scores first and all weighted sums last, so the chunk's keys, then its values, stay in
+    // L1 across the G heads (the values are not fetched between two heads' key passes).
     for (int h = 0; h < G; h++) {
         const float *qh = q + (g * G + h) * D;
-        float *ph = p + h * CHUNK, *out = part + h * (D + 2);
+        float *ph = p + h * CHUNK;
         __m256 mx = _mm256_set1_ps(-INFINITY);
         for (int i0 = 0; i0 < n; i0 += 8) {
             __m256 acc[8];
@@ -86,8 +89,11 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        const float m = _mm_cvtss_f32(m4);
-        const __m256 mv = _mm256_set1_ps(m);
+        part[h * (D + 2)] = _mm_cvtss_f32(m4);
+    }
+    for (int h = 0; h < G; h++) {
+        float *ph = p + h * CHUNK, *out = part + h * (D + 2);
+        const __m256 mv = _mm256_set1_ps(out[0]);
         __m256 sum = _mm256_setzero_ps();
         for (int i0 = 0; i0 < n; i0 += 8) {
             __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
@@ -95,8 +101,11 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
             _mm256_storeu_ps(ph + i0, e);
             sum = _mm256_add_ps(sum, e);
         }
-        out[0] = m;
         out[1] = hsum8(sum);
+    }
+    for (int h = 0; h < G; h++) {
+        const float *ph = p + h * CHUNK;
+        float *out = part + h * (D + 2);
         int64_t d0 = 0;
         for (; d0 + 64 <= D; d0 += 64) weighted_sum(vp, ph, n, d0, 8, out + 2 + d0);
         for (; d0 + 32 <= D; d0 += 32) weighted_sum(vp, ph, n, d0, 4, out + 2 + d0);

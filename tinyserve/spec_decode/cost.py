@@ -14,6 +14,13 @@ smallest's cost scaled down by the prior. Before any step is measured the estima
 prior in units of a one-row step.
 Decode steps measure 1..B rows and prefill chunks hundreds, so a verification step's
 count is usually bracketed, and every step it then runs measures it.
+
+Robust to a slow step: a count's estimate only ever sees an observation clamped to within
+``_CLAMP`` of itself, and a count's first observation is clamped to between its lower
+neighbour's estimate and that plus two smallest-count steps per extra row. Without it one
+hiccup (a stolen core, a GC pause) priced a count out for good: a count the policy no
+longer chooses is never measured again (served, 2026-12-03: after one slow repetition a
+server drafted one token a step for the rest of its run).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from __future__ import annotations
 import bisect
 
 _EMA = 0.25  # weight of the newest step of a row count
+# An observation counts as at most this factor off the estimate: a real change (longer
+# contexts, another load) still moves an estimate ~6% a step, a 10x outlier moves it 6% too.
+_CLAMP = 1.25
 # A draft row's cost relative to a one-row step before anything is measured: 0.35 is about
 # what the grouped kernels' 2-8 rows cost here (bench_kernels, 2026-12-02).
 PRIOR_ROW_COST = 0.35
@@ -41,11 +51,17 @@ class StepCostModel:
         if rows < 1 or not seconds > 0.0:
             return
         old = self._seconds.get(rows)
-        if old is None:
-            bisect.insort(self._rows, rows)
-            self._seconds[rows] = seconds
-        else:
+        if old is not None:
+            seconds = min(max(seconds, old / _CLAMP), old * _CLAMP)
             self._seconds[rows] = (1 - _EMA) * old + _EMA * seconds
+            return
+        i = bisect.bisect_left(self._rows, rows)
+        if i > 0:  # a new count: no cheaper than fewer rows, at most 2 small steps a row more
+            lo = self._seconds[self._rows[i - 1]]
+            top = lo + 2 * (rows - self._rows[i - 1]) * self._seconds[self._rows[0]]
+            seconds = min(max(seconds, lo), top)
+        self._rows.insert(i, rows)
+        self._seconds[rows] = seconds
 
     def _prior(self, n: int) -> float:
         return 1.0 + self.prior_row_cost * (n - 1)

@@ -255,3 +255,31 @@ def test_one_slow_step_does_not_price_a_draft_length_out():
     assert fresh.estimate(5) == pytest.approx(cost_of(4) + 2 * cost_of(1))
     fresh.observe(6, 0.0001)
     assert fresh.estimate(6) == fresh.estimate(5)
+    for v in (float("inf"), float("nan")):
+        fresh.observe(7, v)
+    assert 7 not in fresh.measured_rows
+
+
+def test_a_slow_first_verification_step_costs_at_most_one_draft():
+    """Served at one stream the verification counts are first measured by verification
+    steps themselves, between the decode row and the prompt's prefill chunk."""
+    cost_of = lambda n: 0.011 + 0.003 * (n - 1)  # noqa: E731  (~Zen 3 served)
+
+    def served(outlier: float) -> StepCostModel:
+        m = StepCostModel()
+        m.observe(300, cost_of(300))  # the prompt
+        for n in (1, 2, 3, 4):
+            m.observe(n, cost_of(n))
+        m.observe(5, outlier * cost_of(5))  # the first 4-draft step, during a hiccup
+        return m
+
+    slow = served(10.0)
+    assert slow.estimate(5) == pytest.approx(1.25 * cost_of(5))  # the interpolation x 1.25
+    for p in (0.7, 0.8, 0.9):
+        true = best_draft_length(served(1.0), 1, 1.0, p, 4)[0]
+        assert true - 1 <= best_draft_length(slow, 1, 1.0, p, 4)[0] <= true
+    assert (
+        best_draft_length(slow, 1, 1.0, 0.8, 4)[0]
+        == 3
+        == best_draft_length(served(1.0), 1, 1.0, 0.8, 4)[0]
+    )

@@ -15,21 +15,26 @@ prior in units of a one-row step.
 Decode steps measure 1..B rows and prefill chunks hundreds, so a verification step's
 count is usually bracketed, and every step it then runs measures it.
 
-Robust to a slow step: a count's estimate only ever sees an observation clamped to within
-``_CLAMP`` of itself, and a count's first observation is clamped to between its lower
-neighbour's estimate and that plus two smallest-count steps per extra row. Without it one
-hiccup (a stolen core, a GC pause) priced a count out for good: a count the policy no
+Robust to a slow step, as far as one can be: a count's estimate only ever sees an
+observation clamped to within ``_CLAMP`` of itself; a count's first observation is no
+lower than its lower neighbour's estimate and no higher than ``_CLAMP`` x the
+interpolation between its measured neighbours (above every measured count: that plus two
+smallest-count steps per extra row; the smallest count is taken as it comes). Without it
+one hiccup (a stolen core, a GC pause) priced a count out for good — a count the policy no
 longer chooses is never measured again (served, 2026-12-03: after one slow repetition a
-server drafted one token a step for the rest of its run).
+server drafted one token a step for the rest of its run). What remains: where each extra
+row is nearly free, even a first observation at 1.25x the line can make one draft fewer
+pay better, and that count is then not measured again.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 
 _EMA = 0.25  # weight of the newest step of a row count
 # An observation counts as at most this factor off the estimate: a real change (longer
-# contexts, another load) still moves an estimate ~6% a step, a 10x outlier moves it 6% too.
+# contexts, another load) still moves an estimate +6% / -5% a step, as far as a 10x outlier.
 _CLAMP = 1.25
 # A draft row's cost relative to a one-row step before anything is measured: 0.35 is about
 # what the grouped kernels' 2-8 rows cost here (bench_kernels, 2026-12-02).
@@ -48,7 +53,7 @@ class StepCostModel:
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step of ``rows`` scheduled tokens took ``seconds``."""
-        if rows < 1 or not seconds > 0.0:
+        if rows < 1 or not 0.0 < seconds < math.inf:
             return
         old = self._seconds.get(rows)
         if old is not None:
@@ -56,9 +61,12 @@ class StepCostModel:
             self._seconds[rows] = (1 - _EMA) * old + _EMA * seconds
             return
         i = bisect.bisect_left(self._rows, rows)
-        if i > 0:  # a new count: no cheaper than fewer rows, at most 2 small steps a row more
+        if i > 0:  # a new count: no cheaper than fewer rows, and not far above the line
             lo = self._seconds[self._rows[i - 1]]
-            top = lo + 2 * (rows - self._rows[i - 1]) * self._seconds[self._rows[0]]
+            if i < len(self._rows):  # between two measured counts: _CLAMP x the interpolation
+                top = _CLAMP * self.estimate(rows)
+            else:  # above them all: at most two smallest-count steps a row more
+                top = lo + 2 * (rows - self._rows[i - 1]) * self._seconds[self._rows[0]]
             seconds = min(max(seconds, lo), top)
         self._rows.insert(i, rows)
         self._seconds[rows] = seconds

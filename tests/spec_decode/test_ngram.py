@@ -258,6 +258,15 @@ def test_one_slow_step_does_not_price_a_draft_length_out():
     for v in (float("inf"), float("nan")):
         fresh.observe(7, v)
     assert 7 not in fresh.measured_rows
+    # The floor holds where the counts above are (noisily) cheaper than the one below.
+    bumpy = StepCostModel()
+    for n, t in ((1, 0.011), (4, 0.020), (8, 0.030)):
+        bumpy.observe(n, t)
+    for _ in range(60):
+        bumpy.observe(8, 0.010)
+    assert bumpy.estimate(8) == pytest.approx(0.010, rel=1e-3)
+    bumpy.observe(6, 0.030)
+    assert bumpy.estimate(6) == 0.020
 
 
 def test_a_slow_first_verification_step_costs_at_most_one_draft():

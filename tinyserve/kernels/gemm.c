@@ -98,7 +98,7 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
                        int64_t ldy, const int TREG, const int CF) {
     const int64_t nb = w->nb;
     vf T[8][4];
-    for (int r = 0; r < MT; r++)  // (unused unless TREG)
+    for (int r = 0; TREG && r < MT; r++)
         for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
         if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
@@ -161,7 +161,7 @@ INLINE void tile_buffered(const weight_t *w, int64_t g0, const float *buf, const
                           int64_t ldy) {
     const int64_t nb = w->nb, K = w->K;
     vf T[MTB][2];
-    for (int r = 0; r < MT; r++)  // (unused unless BUF_TREG)
+    for (int r = 0; BUF_TREG && r < MT; r++)
         for (int i = 0; i < NB; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
         vf S[MTB][2];

@@ -67,7 +67,7 @@ class StepCostModel:
                 top = _CLAMP * self.estimate(rows)
             else:  # above them all: at most two smallest-count steps a row more
                 top = lo + 2 * (rows - self._rows[i - 1]) * self._seconds[self._rows[0]]
-            seconds = min(max(seconds, lo), top)
+            seconds = max(min(seconds, top), lo)
         self._rows.insert(i, rows)
         self._seconds[rows] = seconds
 

@@ -20,10 +20,11 @@ ISA level this CPU runs (e.g. ``--baseline-rev HEAD --baseline-isa avx2``: this 
 kernels against its AVX-512 ones).
 
 ``--bf16`` times this tree's gemm with bf16 activations (gemm_bf16.h) against the baseline's
-float ones (e.g. ``--baseline-rev HEAD --bf16 --rows 1,8,32,128``).
+float ones (e.g. ``--baseline-rev HEAD --bf16 --rows 1,8,32,128``); ``--bf16-both`` gives
+both sides bf16 activations (a change to the bf16 tiles).
 
 python benchmarks/bench_kernels.py [--baseline-rev HEAD~2] [--baseline-isa avx2] [--isa LEVEL]
-    [--bf16] [--rows 1,2,3,4,5,6,8] [--attention-rows 1,5,9] [--context 600]
+    [--bf16 | --bf16-both] [--rows 1,2,3,4,5,6,8] [--attention-rows 1,5,9] [--context 600]
     [--out benchmarks/results/kernels.json]
 """
 
@@ -170,6 +171,11 @@ def main() -> int:
         help="this tree's gemm with bf16 "
         "activations (AVX512-BF16), against the baseline's float32 ones",
     )
+    p.add_argument(
+        "--bf16-both",
+        action="store_true",
+        help="bf16 activations on both sides (a change to the bf16 tiles against the baseline's)",
+    )
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--out", default="benchmarks/results/kernels.json")
@@ -185,10 +191,15 @@ def main() -> int:
         attns = [build(base, "attention", Path(tmp), lv[0]),
                  build(here, "attention", Path(tmp), lv[1])]  # fmt: skip
         ws = step_weights()
+        args.bf16 = args.bf16 or args.bf16_both
+        if args.bf16_both and not gemms[0].gemm_bf16():
+            sys.exit(
+                "--bf16-both: the baseline's gemm has no bf16 tiles at ISA level " + str(lv[0])
+            )
         if args.bf16 and not gemms[1].gemm_bf16():
             sys.exit("--bf16: this tree's gemm has no bf16 tiles at ISA level " + str(lv[1]))
         result = {"baseline_rev": args.baseline_rev, "baseline_isa": lv[0], "isa": lv[1],
-                  "bf16_activations": args.bf16,
+                  "bf16_activations": args.bf16, "baseline_bf16_activations": args.bf16_both,
                   "machine": machine_info(),
                   "matmuls": [], "q8_matmuls": [], "attention": []}  # fmt: skip
         print(f"{'':10} {'rows':>4} {'baseline min/med ms':>20} {'this tree':>16} {'ratio':>6}")
@@ -196,7 +207,8 @@ def main() -> int:
         runs += [("q8_matmuls", qgemms, "qgemm", r) for r in args.q8_rows.split(",") if r]
         for what, libs, entry, rows in runs:
             m = int(rows)
-            flags = (0, gemm.BF16_ACT if args.bf16 and entry == "gemm" else 0)
+            bf = gemm.BF16_ACT if entry == "gemm" else 0
+            flags = (bf if args.bf16_both else 0, bf if args.bf16 else 0)
             times, same, rel = time_matmuls(libs, ws, m, args.reps, entry, flags)
             base_s, here_s = summary(times)
             result[what].append({"rows": m, "baseline": base_s, "this": here_s,

@@ -1,0 +1,226 @@
+"""How far prompt-lookup speculation can go on a workload: the ceiling of issue 14's
+one-stream target, measured rather than argued.
+
+Greedy decoding fixes every token a request produces, with speculation or without
+(tests/engine/test_spec_decode.py proves the identity). So the outputs of one plain run,
+replayed through a proposer, tell without the model how many tokens each verification
+step would yield:
+
+* ``ngram``: the proposer as configured (spec_decode/ngram.py);
+* ``ngram_k<k>_min<m>``: the same with other ``num_speculative_tokens`` /
+  ``prompt_lookup_min``;
+* ``oracle``: at every step, among *all* earlier occurrences of *every* suffix of length
+  1..prompt_lookup_max, the one whose continuation matches the output longest, up to
+  2 x ``num_speculative_tokens`` drafts: an upper bound on any proposer that copies from
+  the context (tree verification of several candidates included).
+
+Each is priced in hindsight: a step drafts exactly the tokens that will be accepted, so no
+rejected row is ever paid for — an upper bound on what any draft-length policy (the
+adaptive one included) gets from that proposer. With the times measured here — each
+request's prefill to its first token (``ttft``) and a step's cost by its row count (the
+engine's own table, spec_decode/cost.py; rows past its end on its overall slope):
+
+    bound = (ttft + (n - 1) t(1)) / (ttft + sum over the steps of t(1 + accepted))
+
+and with verification rows free (every step costs t(1)): the ceiling whatever the kernels
+do. ``full`` prices every proposal drafted in full instead (the non-adaptive policy). The
+same requests also run with speculation on (the real adaptive policy), back to back with
+the plain run, so the bounds can be checked against a measurement. Offline engine, prefix
+caching off (every prompt prefilled in full, as the served benchmark's salted prompts are).
+
+    python benchmarks/spec_ceiling.py [--workload grounded] [--num-requests 12]
+        [--spec '{"method": "ngram", ...}'] [--out benchmarks/results/spec_ceiling.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import make_workload, new_salt  # noqa: E402
+from bench_spec import SPEC  # noqa: E402
+from machine import machine_info  # noqa: E402
+
+from tinyserve import LLM, SamplingParams  # noqa: E402
+from tinyserve.spec_decode.ngram import propose  # noqa: E402
+
+GRID = [(2, 2), (8, 2), (4, 1), (8, 1), (16, 1)]  # (num_speculative_tokens, prompt_lookup_min)
+
+
+def accepted(proposal: list[int], out: list[int], i: int) -> int:
+    """Leading drafts of ``proposal`` that equal the output from position ``i``."""
+    n = 0
+    while n < len(proposal) and i + n < len(out) and proposal[n] == out[i + n]:
+        n += 1
+    return n
+
+
+def oracle_proposal(ctx: list[int], out: list[int], i: int, k: int, lookup_max: int) -> list[int]:
+    """The continuation of the earlier occurrence (any suffix length 1..lookup_max) that
+    matches ``out[i:]`` longest, up to ``k`` tokens."""
+    best: list[int] = []
+    n = len(ctx)
+    for size in range(min(lookup_max, n - 1), 0, -1):
+        suffix = ctx[n - size :]
+        for s in range(n - size):
+            if ctx[s : s + size] == suffix:
+                cand = ctx[s + size : s + size + k]
+                if accepted(cand, out, i) > accepted(best, out, i):
+                    best = cand
+    return best[: accepted(best, out, i)]
+
+
+def replay(prompt: list[int], out: list[int], method: str, cfg: dict) -> list[tuple[int, int]]:
+    """(drafted, accepted) per step (0, 0: a plain decode step) for producing ``out`` after
+    ``prompt``; the first token comes from the prefill."""
+    k, lo, hi = cfg["num_speculative_tokens"], cfg["prompt_lookup_min"], cfg["prompt_lookup_max"]
+    steps, i = [], 1
+    while i < len(out):
+        room = min(k if method == "ngram" else 2 * k, len(out) - i - 1)  # never past max_tokens
+        ctx = prompt + out[:i]
+        p = (
+            []
+            if room < 1
+            else propose(ctx, room, lo, hi)
+            if method == "ngram"
+            else oracle_proposal(ctx, out, i, room, hi)
+        )
+        n = accepted(p, out, i)
+        steps.append((len(p), n))
+        i += n + 1
+    return steps
+
+
+def price(steps: list[tuple[int, int]], table: dict[int, float], ttft: float, n: int) -> dict:
+    t1 = table[1]
+    plain = ttft + (n - 1) * t1
+    return {
+        "steps": len(steps),
+        "tokens_per_step": (n - 1) / len(steps),
+        "bound": plain / (ttft + sum(step_cost(table, 1 + a) for _, a in steps)),
+        "bound_free_rows": plain / (ttft + len(steps) * t1),
+        "full": plain / (ttft + sum(step_cost(table, 1 + d) for d, _ in steps)),
+    }
+
+
+def step_cost(table: dict[int, float], rows: int) -> float:
+    """Seconds of a step of ``rows`` rows: the measured table, linear between its counts and
+    on its overall slope past its end."""
+    if rows in table:
+        return table[rows]
+    known = sorted(table)
+    below = [k for k in known if k < rows]
+    above = [k for k in known if k > rows]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
+    slope = (table[known[-1]] - table[known[0]]) / max(1, known[-1] - known[0])
+    return table[known[-1]] + slope * (rows - known[-1])
+
+
+def run_one(llm: LLM, req) -> dict:
+    """Prompt and output ids, ttft (a max_tokens=1 run) and the full run's time."""
+    t = time.perf_counter()
+    llm.chat([req.messages], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    ttft = time.perf_counter() - t
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    o = llm.chat([req.messages], params, use_tqdm=False)[0]
+    total = time.perf_counter() - t
+    return {"prompt": list(o.prompt_token_ids), "output": list(o.outputs[0].token_ids),
+            "ttft_s": ttft, "total_s": total}  # fmt: skip
+
+
+def run_both(off: LLM, on: LLM, reqs) -> tuple[list[dict], list[dict]]:
+    """Each request off and on back to back, the order alternating (a drifting host moves
+    both)."""
+    plain, spec = [], []
+    for i, r in enumerate(reqs):
+        if i % 2:
+            spec.append(run_one(on, r))
+            plain.append(run_one(off, r))
+        else:
+            plain.append(run_one(off, r))
+            spec.append(run_one(on, r))
+    return plain, spec
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None, help="default: the embedded default model")
+    p.add_argument("--workload", default="grounded")
+    p.add_argument("--num-requests", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec", default=SPEC)
+    p.add_argument("--out", default="benchmarks/results/spec_ceiling.json")
+    args = p.parse_args()
+    cfg = json.loads(args.spec)
+    # Salted as bench_serving salts (a fresh nonce per run): the same prompts it serves.
+    reqs = make_workload(args.workload, args.num_requests, args.seed, new_salt())
+    kw = {"model": args.model} if args.model else {}
+    off = LLM(**kw, enable_prefix_caching=False)
+    on = LLM(**kw, enable_prefix_caching=False, speculative_config=cfg)
+    warm = make_workload(args.workload, 1, args.seed + 1, new_salt())
+    run_both(off, on, warm)
+    plain, spec = run_both(off, on, reqs)
+    for a, b in zip(plain, spec, strict=True):
+        if a["output"] != b["output"]:
+            sys.exit("speculation changed a greedy output: see tests/engine/test_spec_decode.py")
+    table = dict(on.engine.core.scheduler.proposer.cost._seconds)
+    rows = []
+    for a, b in zip(plain, spec, strict=True):
+        n = len(a["output"])
+        row = {
+            "output_tokens": n,
+            "ttft_s": a["ttft_s"],
+            "off_s": a["total_s"],
+            "on_s": b["total_s"],
+        }
+        for name, method, c in [("ngram", "ngram", cfg), ("oracle", "oracle", cfg)] + [
+            (
+                f"ngram_k{k}_min{lo}",
+                "ngram",
+                dict(cfg, num_speculative_tokens=k, prompt_lookup_min=lo),
+            )
+            for k, lo in GRID
+        ]:
+            row[name] = price(replay(a["prompt"], a["output"], method, c), table, a["ttft_s"], n)
+        rows.append(row)
+
+    def med(f):
+        return statistics.median(f(r) for r in rows)
+
+    summary = {
+        "measured_on_off": med(lambda r: r["off_s"] / r["on_s"]),
+        "ttft_share_off": med(lambda r: r["ttft_s"] / r["off_s"]),
+        "step_cost_ms": {str(k): round(v * 1e3, 3) for k, v in sorted(table.items()) if k <= 16},
+    }
+    methods = ["ngram", "oracle"] + [f"ngram_k{k}_min{lo}" for k, lo in GRID]
+    for method in methods:
+        for key in ("tokens_per_step", "bound", "bound_free_rows", "full"):
+            summary[f"{method}_{key}"] = med(lambda r, m=method, k=key: r[m][k])
+    result = {"machine": machine_info(), "workload": args.workload, "speculative_config": cfg,
+              "num_requests": len(reqs), "summary": summary, "requests": rows}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    s = summary
+    print(f"{args.workload}: {len(reqs)} requests, prefill {100 * s['ttft_share_off']:.0f}% of a "
+          f"plain request; step ms by rows {s['step_cost_ms']}")  # fmt: skip
+    print(f"measured on/off (offline, medians per request): {s['measured_on_off']:.2f}x")
+    for m in methods:
+        print(f"{m:15} tokens/step {s[f'{m}_tokens_per_step']:.2f}  bound {s[f'{m}_bound']:.2f}x  "
+              f"with free verification rows {s[f'{m}_bound_free_rows']:.2f}x  "
+              f"(every proposal in full: {s[f'{m}_full']:.2f}x)")  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""benchmarks/spec_ceiling.py's replay and pricing (the model-free half of the ceiling
+argument for issue 14's one-stream target), on token sequences built so that the right
+answer can be worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ceiling():
+    spec = importlib.util.spec_from_file_location(
+        "spec_ceiling", ROOT / "benchmarks" / "spec_ceiling.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("spec_ceiling", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CFG = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def test_replay_of_an_output_that_copies_its_prompt(ceiling):
+    prompt = list(range(100, 140))  # 40 distinct tokens
+    out = prompt[:30]  # the answer repeats the prompt
+    steps = ceiling.replay(prompt, out, "ngram", CFG)
+    # out[0] comes from the prefill; at out[1] the context ends (139, 100): no earlier
+    # 2-gram, a plain step. From then on every step drafts 4 that all hold (5 tokens a
+    # step) until the last, capped by max_tokens: 2 drafts for the last 3 tokens.
+    assert steps == [(0, 0)] + [(4, 4)] * 5 + [(2, 2)]
+    assert sum(a + 1 for _, a in steps) == len(out) - 1
+
+
+def test_the_oracle_finds_the_earlier_match_the_latest_one_misses(ceiling):
+    prompt = [5, 1, 2, 3, 9, 9, 9, 6, 1, 2, 3, 7, 7, 7, 8]
+    out = [1, 2, 3, 9, 9, 9]
+    ngram = ceiling.replay(prompt, out, "ngram", CFG)
+    oracle = ceiling.replay(prompt, out, "oracle", CFG)
+    # The proposer (2-grams and up): no match after (8, 1), a plain step; after (1, 2), with
+    # room for 3 drafts (max_tokens), the latest earlier occurrence continues 3, 7, 7: one
+    # holds. The oracle matches single tokens too: after 1, the prompt's first 1 continues
+    # 2, 3, 9, 9 — all 4 drafts the room allows.
+    assert ngram[:2] == [(0, 0), (3, 1)]
+    assert oracle == [(4, 4)]
+    for steps in (ngram, oracle):
+        assert sum(a + 1 for _, a in steps) == len(out) - 1
+
+
+def test_pricing_orders_the_bounds(ceiling):
+    table = {1: 0.010, 2: 0.014, 5: 0.026}
+    steps = [(0, 0), (4, 4), (4, 1), (2, 0), (4, 3)]
+    n = 1 + sum(a + 1 for _, a in steps)
+    p = ceiling.price(steps, table, ttft=0.2, n=n)
+    assert p["bound_free_rows"] > p["bound"] > p["full"]
+    plain = 0.2 + (n - 1) * 0.010
+    t4 = 0.014 + (0.026 - 0.014) * 2 / 3  # between the measured 2 and 5 rows
+    assert ceiling.step_cost(table, 4) == pytest.approx(t4)
+    assert p["bound"] == pytest.approx(plain / (0.2 + 0.010 + 0.026 + 0.014 + 0.010 + t4))
+    # rows past the table: its overall slope, (0.026 - 0.010) / 4 per row
+    assert ceiling.step_cost(table, 7) == pytest.approx(0.026 + 2 * 0.004)
+    # nothing drafted: no gain whatever the price
+    assert ceiling.price([(0, 0)] * 9, table, ttft=0.2, n=10)["bound_free_rows"] == pytest.approx(
+        1.0
+    )

@@ -45,17 +45,17 @@ import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from tinyserve.kernels import gemm  # noqa: E402
-from tinyserve.kernels.build import compile_source, isa_level  # noqa: E402
+from tinyserve.kernels.build import built, isa_level  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KDIR = "tinyserve/kernels"
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-def build(src_dir: Path, name: str, out_dir: Path, level: str | None) -> ctypes.CDLL:
-    so = out_dir / f"{src_dir.name}-{name}-{level}.so"
-    compile_source(src_dir / f"{name}.c", so, level)
-    return ctypes.CDLL(str(so))
+def build(src_dir: Path, name: str, level: str | None) -> ctypes.CDLL:
+    """``src_dir``'s <name>.c for ISA ``level``, through the kernel cache (a revision whose
+    sources equal this tree's, e.g. HEAD on a clean checkout, is the same library)."""
+    return ctypes.CDLL(str(built(name, level, src_dir)))
 
 
 def sources_at(rev: str, dest: Path) -> Path:
@@ -186,10 +186,9 @@ def main() -> int:
         base = sources_at(args.baseline_rev, Path(tmp) / "baseline")
         here = ROOT / KDIR
         lv = (args.baseline_isa or isa_level(), args.isa or isa_level())
-        gemms = [build(base, "gemm", Path(tmp), lv[0]), build(here, "gemm", Path(tmp), lv[1])]
-        qgemms = [build(base, "qgemm", Path(tmp), lv[0]), build(here, "qgemm", Path(tmp), lv[1])]
-        attns = [build(base, "attention", Path(tmp), lv[0]),
-                 build(here, "attention", Path(tmp), lv[1])]  # fmt: skip
+        gemms = [build(base, "gemm", lv[0]), build(here, "gemm", lv[1])]
+        qgemms = [build(base, "qgemm", lv[0]), build(here, "qgemm", lv[1])]
+        attns = [build(base, "attention", lv[0]), build(here, "attention", lv[1])]
         ws = step_weights()
         args.bf16 = args.bf16 or args.bf16_both
         if args.bf16_both and not gemms[0].gemm_bf16():

@@ -67,7 +67,8 @@ fi
 
 # 3. The device-selected tests (the GGUF-backed SmolLM2 ones need the 98 MB file: not here).
 export TINYSERVE_TEST_DEVICE=$DEV
-step device_tests 200 "$PY" -m pytest tests -m device -q -p no:cacheprovider \
+# shellcheck disable=SC2086  # GPU_CHECK_TESTS: paths, word-split on purpose
+step device_tests 200 "$PY" -m pytest ${GPU_CHECK_TESTS:-tests} -m device -q -p no:cacheprovider \
   -k "${GPU_CHECK_K:-not shared_system_prompt}" --junitxml "$OUT/device_tests.xml" \
   > "$OUT/device_tests.txt" 2>&1
 

@@ -54,3 +54,19 @@ def test_device() -> str:
     if reason is not None:
         pytest.skip(reason)
     return name
+
+
+@pytest.fixture
+def fresh_cache(tmp_path):
+    """An empty cache folder for a subprocess ($TINYSERVE_CACHE_DIR: nothing calibrated,
+    downloaded or converted yet) that shares only the compiled kernels with this run's cache:
+    they are named by a hash of their sources and flags, so sharing cannot make them stale,
+    and gemm.c alone takes ~30 s to compile."""
+    from tinyserve.utils.cache import cache_dir
+
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    fresh = tmp_path / "cache"
+    fresh.mkdir()
+    (fresh / "kernels").symlink_to(kernels, target_is_directory=True)
+    return fresh

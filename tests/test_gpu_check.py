@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_on_cpu(smollm2_gguf_path, tmp_path):
+def test_gpu_check_dry_run_on_cpu(smollm2_gguf_path, tmp_path, fresh_cache):
     from tinyserve.models.default_model import tokenizer_dir_for
 
     out = tmp_path / "out"
@@ -39,9 +39,10 @@ def test_gpu_check_dry_run_on_cpu(smollm2_gguf_path, tmp_path):
         "GPU_CARRY": str(tmp_path / "no-carry"),  # nothing to install here
         "GPU_CHECK_CONCURRENCY": "1 2",
         "GPU_CHECK_BATCHES": "1,2",
+        "GPU_CHECK_TESTS": "tests/worker/test_sampler.py",  # collecting all of tests/: ~10 s
         "GPU_CHECK_K": "test_processors_match_reference",
         "GPU_CHECK_PORT": str(_free_port()),
-        "TINYSERVE_CACHE_DIR": str(tmp_path / "cache"),
+        "TINYSERVE_CACHE_DIR": str(fresh_cache),
     }
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,20 +170,30 @@ needs_two_levels = pytest.mark.skipif(
 )
 
 
-def _built_at(tmp_path, name: str, level: str):
-    """kernels/<name>.c compiled for ISA ``level`` here, its entry point typed like gemm.py's."""
-    so = tmp_path / f"{name}-{level}.so"
-    build.compile_source(Path(gemm.__file__).with_name(f"{name}.c"), so, level)
-    lib = ctypes.CDLL(str(so))
+def _typed(lib: ctypes.CDLL, name: str):
+    """``lib``'s entry point ``name``, typed like gemm.py's."""
     fn = getattr(lib, name)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes, fn.restype = [i32, p, p, p, p, i64, p, i64, i64, i64, i32, i32], ctypes.c_int
-    return lib, fn
+    return fn
+
+
+@pytest.fixture(scope="module")
+def every_level():
+    """{(name, level): library} for gemm.c and qgemm.c at every ISA level this CPU runs,
+    through the kernel cache (build.built), the ~30 s gemm.c compiles run side by side: once
+    per machine, not once per test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = [(name, level) for level in build.usable_levels() for name in ("gemm", "qgemm")]
+    with ThreadPoolExecutor(max_workers=max(1, build.kernel_threads())) as pool:
+        paths = list(pool.map(lambda key: build.built(*key), keys))
+    return {key: ctypes.CDLL(str(path)) for key, path in zip(keys, paths, strict=True)}
 
 
 @needs_two_levels
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "int8"])
-def test_every_isa_level_computes_the_same_bits(kind, tmp_path):
+def test_every_isa_level_computes_the_same_bits(kind, every_level):
     """The AVX2 build (8 lanes) and the AVX-512 builds (16 lanes, other tiles) do the same
     float operations per output, so a server's logits do not depend on which of them this
     CPU picked; qgemm.c's VNNI dot products give maddubs/madd's integers."""
@@ -194,10 +203,11 @@ def test_every_isa_level_computes_the_same_bits(kind, tmp_path):
     native = gemm.matmul(x, w, num_threads=2)
     native_q8 = gemm.matmul_q8(x, w, num_threads=2) if kind != "f32" else None
     for level in build.usable_levels():
-        lib, fn = _built_at(tmp_path, "gemm", level)
+        lib = every_level["gemm", level]
+        fn = _typed(lib, "gemm")
         kw = gemm.KernelWeight.of(w, lib.gemm_group_width())
         assert kw.qs.shape[-1] == (16 if level.startswith("avx512") else 8)
-        qfn = _built_at(tmp_path, "qgemm", level)[1] if native_q8 is not None else None
+        qfn = _typed(every_level["qgemm", level], "qgemm") if native_q8 is not None else None
         for rows in (1, 2, 3, 5, 7, 8, 9, 33, 70):
             for threads in (1, 2):
                 got = gemm._run(fn, "matmul", x[:rows], kw, threads, None)

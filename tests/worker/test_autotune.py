@@ -110,7 +110,7 @@ def test_layer_matmuls_of_the_default_gguf_name_its_blocks(smollm2_gguf_path):
 
 @pytest.mark.skipif(not gemm.available(), reason="needs the AVX2 kernels")
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_calibration_leaves_no_openmp_team_behind(tmp_path):
+def test_calibration_leaves_no_openmp_team_behind(fresh_cache):
     """The kernels' OpenMP team of the thread that calibrated would outlive it and, with more
     libgomp threads than CPUs, stop the engine's team spinning between kernel calls (served
     TPOT doubled): the calibration runs in a thread that exits. A fresh process, so that no
@@ -133,7 +133,7 @@ def test_calibration_leaves_no_openmp_team_behind(tmp_path):
         "    time.sleep(0.1)\n"
         "print(before, n())\n"
     )
-    env = {**os.environ, "TINYSERVE_CACHE_DIR": str(tmp_path), "TINYSERVE_KERNEL_THREADS": "2"}
+    env = {**os.environ, "TINYSERVE_CACHE_DIR": str(fresh_cache), "TINYSERVE_KERNEL_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = map(int, out.stdout.split())

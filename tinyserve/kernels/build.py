@@ -68,13 +68,6 @@ def kernels_enabled() -> bool:
     return env != "0"
 
 
-def compile_source(source: Path, so_path: Path, level: str | None = None) -> None:
-    """Compile a kernel source (``#include "simd.h"`` from its own folder) into ``so_path``
-    with the flags of ISA ``level`` (default: this CPU's, as :func:`load` uses), so that
-    benchmarks/bench_kernels.py and the tests can build another revision or level beside it."""
-    _compile(source, so_path, ISA_LEVELS[level or isa_level()][1])
-
-
 def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -92,11 +85,27 @@ def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
         out.replace(so_path)  # atomic: concurrent builders never see half a file
 
 
-def source_bytes(name: str) -> bytes:
+def source_bytes(name: str, source_dir: Path | None = None) -> bytes:
     """kernels/<name>.c and the headers beside it (simd.h, included by every kernel;
-    gemm_bf16.h): what a build, or a measurement of one, depends on."""
-    source = Path(__file__).with_name(f"{name}.c")
+    gemm_bf16.h), or those of ``source_dir`` (another revision's copy): what a build, or a
+    measurement of one, depends on."""
+    source = (source_dir or Path(__file__).parent) / f"{name}.c"
     return source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+
+
+def built(name: str, level: str | None = None, source_dir: Path | None = None) -> Path:
+    """The library of kernels/<name>.c (or ``source_dir``'s copy) for ISA ``level`` (default:
+    this CPU's), compiled once into the cache folder and named by a hash of its sources and
+    flags: another revision or level, built by the tests or benchmarks/bench_kernels.py, is
+    compiled once per machine like the native one (gemm.c takes ~30 s at -O3)."""
+    level = level or isa_level()
+    source_dir = source_dir or Path(__file__).parent
+    flags = ISA_LEVELS[level][1]
+    digest = hashlib.sha256(source_bytes(name, source_dir) + " ".join(flags).encode())
+    so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest.hexdigest()[:16]}.so"
+    if not so_path.exists():
+        _compile(source_dir / f"{name}.c", so_path, flags)
+    return so_path
 
 
 @functools.cache
@@ -109,14 +118,8 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.info("CPU kernels off: this CPU lacks AVX2/FMA/F16C")
         return None
     _log_level(level)
-    source = Path(__file__).with_name(f"{name}.c")
-    flags = ISA_LEVELS[level][1]
-    digest = hashlib.sha256(source_bytes(name) + " ".join(flags).encode()).hexdigest()[:16]
-    so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest}.so"
     try:
-        if not so_path.exists():
-            _compile(source, so_path, flags)
-        return ctypes.CDLL(str(so_path))
+        return ctypes.CDLL(str(built(name, level)))
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernel %s off (torch path instead): %s", name, e)
         return None

@@ -200,6 +200,10 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+# --kv-cache-dtype: "auto" is the model's dtype (worker/kv_cache.py: resolve_kv_cache_dtype).
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size and how many blocks (from a count or a memory budget)."""

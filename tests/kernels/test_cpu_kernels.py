@@ -21,7 +21,7 @@ from tinyserve.kernels import build, gemm
 from tinyserve.layers.attention import reference_paged_attention
 from tinyserve.layers.linear import PackedMethod
 from tinyserve.models.loader import load_model
-from tinyserve.testing.paged_runner import PagedRunner
+from tinyserve.testing.paged_runner import PagedRunner, mixed_steps, random_paged_case
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
@@ -292,20 +292,6 @@ def test_int8_per_channel_error_bound():
     assert (err <= bound + 1e-4).all()
 
 
-def _random_paged_case(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed):
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
-    # q as the model passes it: the first heads of a fused [tokens, q + k heads, dim] tensor.
-    qk = torch.randn(sum(query_lens), num_heads + num_kv_heads, head_dim, generator=gen)
-    return qk[:, :num_heads], k_cache, v_cache, tables
-
-
 needs_attention_kernel = pytest.mark.skipif(
     attention_kernel.library() is None, reason="needs an x86 CPU with AVX2/FMA and a C compiler"
 )
@@ -323,7 +309,7 @@ def test_block_table_attention_matches_the_reference(heads, kv_heads, dim, block
     # of a chunk boundary (64 / 65 keys), a run of 16 rows (two 8-row groups).
     query_lens = [1, 1, 7, 1, 16, 3, 2]
     seq_lens = [1, 37, 140, 2 * block_size, 200, 3 * block_size + 1, 65]
-    q, kc, vc, tables = _random_paged_case(heads, kv_heads, dim, block_size, query_lens,
+    q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, block_size, query_lens,
                                            seq_lens, seed=heads)  # fmt: skip
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, use_kernel=True)
     assert meta.kernel is not None and meta.groups == []  # no padded masks built
@@ -461,19 +447,6 @@ needs_step = pytest.mark.skipif(
 )
 
 
-def _mixed_steps(runner, rng):
-    """Prefill chunks, a continued chunk and decode rows, in varied batch orders."""
-    seqs = {s: [rng.randrange(3, 250) for _ in range(40)] for s in "abc"}
-    out = [runner.step([("a", seqs["a"][:9]), ("b", seqs["b"][:3])])]
-    out.append(runner.step([("b", seqs["b"][3:4]), ("a", seqs["a"][9:10]), ("c", seqs["c"][:17])],
-                           decode={"a"}))  # fmt: skip
-    for i in range(3):
-        chunk = [("c", seqs["c"][17 + i : 18 + i]), ("a", seqs["a"][10 + i : 11 + i]),
-                 ("b", seqs["b"][4 + i : 5 + i])]  # fmt: skip
-        out.append(runner.step(chunk, decode={"a", "b", "c"} if i else {"a", "b"}))
-    return [t for step in out for t in step]
-
-
 @needs_step
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, arch):
@@ -487,8 +460,8 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, arch):
     fused, _ = load_model(path, torch.float32, "cpu")
     loop, _ = load_model(path, torch.float32, "cpu", fused_step=False)
     assert fused.model.step_plan is not None and loop.model.step_plan is None
-    a = _mixed_steps(PagedRunner(fused, 4, num_blocks=64, seed=1), random.Random(2))
-    b = _mixed_steps(PagedRunner(loop, 4, num_blocks=64, seed=1), random.Random(2))
+    a = mixed_steps(PagedRunner(fused, 4, num_blocks=64, seed=1), random.Random(2))
+    b = mixed_steps(PagedRunner(loop, 4, num_blocks=64, seed=1), random.Random(2))
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
 
@@ -517,8 +490,8 @@ def test_smollm2_one_c_call_equals_the_python_loop_with_rounded_activations(
     loop, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", fused_step=False, **kwargs)
     assert fused.model.step_plan is not None
     assert {m.method.name for m in fused.linear_layers().values()} == names
-    a = _mixed_steps(PagedRunner(fused, 16, num_blocks=32, seed=3), random.Random(4))
-    b = _mixed_steps(PagedRunner(loop, 16, num_blocks=32, seed=3), random.Random(4))
+    a = mixed_steps(PagedRunner(fused, 16, num_blocks=32, seed=3), random.Random(4))
+    b = mixed_steps(PagedRunner(loop, 16, num_blocks=32, seed=3), random.Random(4))
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
 

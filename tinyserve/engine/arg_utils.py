@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from tinyserve.config import parse_size
+from tinyserve.config import KV_CACHE_DTYPES, parse_size
 from tinyserve.spec_decode.config import SpeculativeConfig
 
 
@@ -19,6 +19,9 @@ class EngineArgs:
     num_blocks: int | None = None
     # None: 1 GiB on a CPU / MPS; on CUDA what gpu_memory_utilization leaves (worker/memory.py)
     kv_cache_memory: int | str | None = None
+    # "auto": the model's dtype; "bfloat16": a bf16 cache for a float32 model on the CPU
+    # kernels (half the bytes a decode row's attention reads, twice the tokens per GiB)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the card the engine may take
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -131,6 +134,14 @@ def _add_gpu_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
 
 def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
     """The CPU kernel path's flags."""
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="auto (default): the model's dtype; bfloat16: K and V stored rounded to bf16 "
+        "(float32 models on the CPU kernels): half the bytes each decode step's attention "
+        "reads and twice the tokens per GiB, at bf16's rounding of K and V",
+    )
     parser.add_argument(
         "--cpu-kernels",
         "--gguf-kernels",

@@ -32,6 +32,7 @@ def worker_spec(args: EngineArgs, dtype=None):
         cpu_kernels=args.cpu_kernels,
         quantization=args.quantization,
         decode_activations=args.decode_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -89,7 +90,11 @@ class Executor:
 
     def _build(self, args: EngineArgs, tp, loaded: tuple | None) -> None:
         from tinyserve.models.loader import load_model
-        from tinyserve.worker.kv_cache import bytes_per_block, num_blocks_for
+        from tinyserve.worker.kv_cache import (
+            bytes_per_block,
+            num_blocks_for,
+            resolve_kv_cache_dtype,
+        )
         from tinyserve.worker.model_runner import ModelRunner
 
         if loaded is None:
@@ -113,7 +118,8 @@ class Executor:
             kv_cache_memory=self._kv_budget(args, tp),
             enable_prefix_caching=args.enable_prefix_caching,
         )
-        self.num_blocks = num_blocks_for(self.model_config, cache_config, self.dtype, tp.size)
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.model)
+        self.num_blocks = num_blocks_for(self.model_config, cache_config, self.kv_dtype, tp.size)
         self.block_size = args.block_size
         self.kv_capacity_tokens = self.num_blocks * args.block_size
         self.max_model_len = resolve_max_model_len(
@@ -124,12 +130,13 @@ class Executor:
             self.model, self.num_blocks, args.block_size, tp.device,
             decode_graphs=decode_graphs_mode(tp.device, tp.size, args.enforce_eager),
             max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+            kv_dtype=self.kv_dtype,
         )  # fmt: skip
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.capture()
         tp.barrier()
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
-            self.model_config, args.block_size, self.dtype, tp.size
+            self.model_config, args.block_size, self.kv_dtype, tp.size
         )
 
     def _kv_budget(self, args: EngineArgs, tp) -> int:

@@ -1,5 +1,8 @@
 // Paged attention for a flat (ragged) batch, float32, AVX2 + FMA, read straight through the
-// block table: no gather of the context into a padded rectangle, no mask.
+// block table: no gather of the context into a padded rectangle, no mask. The cache holds
+// float32 (paged_attention) or bf16 (paged_attention_bf16, --kv-cache-dtype bfloat16: half
+// the bytes a decode row reads); bf16 keys and values widen to float32 exactly as loaded, so
+// the arithmetic is the float32 kernel's on the rounded cache.
 //
 //   q      [T, *, D] with token stride q_stride (the step's queries, heads contiguous)
 //   cache  k/v [num_blocks, block_size, KVH, D]
@@ -26,38 +29,47 @@ INLINE __m256 hsum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Elements d .. d+7 of a cache row as floats: float32 (BF 0) or bf16 widened (BF 1).
+INLINE __m256 load_kv(const void *row, int64_t d, const int BF) {
+    if (BF) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)row + d);
+}
+
 // o[0 .. 8*NV) = sum_i p[i] * v_i[d0 ..], the accumulators in registers.
-INLINE void weighted_sum(const float *const *vp, const float *p, int n, int64_t d0, int NV,
-                         float *o) {
+INLINE void weighted_sum(const void *const *vp, const float *p, int n, int64_t d0, int NV,
+                         float *o, const int BF) {
     __m256 acc[8];
     for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
     for (int i = 0; i < n; i++) {
         const __m256 pb = _mm256_set1_ps(p[i]);
-        const float *row = vp[i] + d0;
-        for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row + v * 8), acc[v]);
+        for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(pb, load_kv(vp[i], d0 + v * 8, BF), acc[v]);
     }
     for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + v * 8, acc[v]);
 }
 
 typedef struct {
-    const float *k_cache, *v_cache;
-    int block_size, H, KVH, D;
+    const void *k_cache, *v_cache;  // float32, or bf16 (uint16) when bf16
+    int block_size, H, KVH, D, bf16;
     float scale;
 } attn_t;
 
 // The partial of keys j0 .. j0+n-1 (n <= CHUNK) for the G heads of KV head g: part[h] holds
 // m, l, o[D] (stride D + 2). scratch: 2 * CHUNK pointers' room + G * CHUNK floats.
-static void chunk_partial(const attn_t *a, const float *q, const int32_t *table, int64_t g,
-                          int64_t j0, int n, float *part, void *scratch) {
+INLINE void chunk_partial_t(const attn_t *a, const float *q, const int32_t *table, int64_t g,
+                            int64_t j0, int n, float *part, void *scratch, const int BF) {
     const int G = a->H / a->KVH, D = a->D;
-    const float **kp = (const float **)scratch, **vp = kp + CHUNK;
+    const void **kp = (const void **)scratch, **vp = kp + CHUNK;
     float *p = (float *)(vp + CHUNK);
-    const int64_t row = (int64_t)a->KVH * D;  // floats per cache slot
+    const int64_t row = (int64_t)a->KVH * D;  // elements per cache slot
+    const int64_t esize = BF ? 2 : 4;
     int64_t blk = j0 / a->block_size, off = j0 % a->block_size;  // no division per key
     for (int i = 0; i < n; i++) {
-        const int64_t at = ((int64_t)table[blk] * a->block_size + off) * row + g * D;
-        kp[i] = a->k_cache + at;
-        vp[i] = a->v_cache + at;
+        const int64_t at = (((int64_t)table[blk] * a->block_size + off) * row + g * D) * esize;
+        kp[i] = (const char *)a->k_cache + at;
+        vp[i] = (const char *)a->v_cache + at;
         if (++off == a->block_size) off = 0, blk++;
     }
     for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = kp[n - 1];  // padding lanes: masked below
@@ -79,7 +91,7 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
             for (int d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qh + d);
                 for (int i = 0; i < 8; i++)
-                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[i0 + i] + d), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(qv, load_kv(kp[i0 + i], d, BF), acc[i]);
             }
             __m256 s = _mm256_mul_ps(hsum8x8(acc), scale);
             if (i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
@@ -107,10 +119,16 @@ static void chunk_partial(const attn_t *a, const float *q, const int32_t *table,
         const float *ph = p + h * CHUNK;
         float *out = part + h * (D + 2);
         int64_t d0 = 0;
-        for (; d0 + 64 <= D; d0 += 64) weighted_sum(vp, ph, n, d0, 8, out + 2 + d0);
-        for (; d0 + 32 <= D; d0 += 32) weighted_sum(vp, ph, n, d0, 4, out + 2 + d0);
-        for (; d0 < D; d0 += 8) weighted_sum(vp, ph, n, d0, 1, out + 2 + d0);
+        for (; d0 + 64 <= D; d0 += 64) weighted_sum(vp, ph, n, d0, 8, out + 2 + d0, BF);
+        for (; d0 + 32 <= D; d0 += 32) weighted_sum(vp, ph, n, d0, 4, out + 2 + d0, BF);
+        for (; d0 < D; d0 += 8) weighted_sum(vp, ph, n, d0, 1, out + 2 + d0, BF);
     }
+}
+
+static void chunk_partial(const attn_t *a, const float *q, const int32_t *table, int64_t g,
+                          int64_t j0, int n, float *part, void *scratch) {
+    if (a->bf16) chunk_partial_t(a, q, table, g, j0, n, part, scratch, 1);
+    else chunk_partial_t(a, q, table, g, j0, n, part, scratch, 0);
 }
 
 // The chunks' partials of one (row, KV head), in order, into its G output heads.
@@ -160,20 +178,21 @@ static void row_chunk(const attn_t *a, const float *q, int64_t q_stride, int64_t
     chunk_partial(a, q + t * q_stride, table, g, j0, (int)n, part, sc);
 }
 
-// Entry point (ctypes). block_tables: int32 [num_seqs, max_blocks]; seq_of_token: int64 [T].
-// Requires D % 8 == 0. Returns 0, or -1 if memory ran out.
+// The entry points' body (paged_attention, paged_attention_bf16 below; ctypes). block_tables:
+// int32 [num_seqs, max_blocks]; seq_of_token: int64 [T]. Requires D % 8 == 0. Returns 0, or
+// -1 if memory ran out.
 //
 // Work is cut into groups of up to GROUP consecutive rows of one sequence (a verification
 // run, a prefill chunk's rows): a group reads each chunk of keys and values once for all its
 // rows. With many (group, KV head) pairs each pair is a work item and walks its chunks; with
 // few (decode at small batch, one verification run) every (group, KV head, chunk) is one.
-int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                    int block_size, int H, int KVH, int D, const int64_t *query_start_loc,
-                    const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,
-                    const int32_t *block_tables, int64_t max_blocks, float scale, float *out,
-                    int nthreads) {
+static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
+                         const void *v_cache, int bf16, int block_size, int H, int KVH, int D,
+                         const int64_t *query_start_loc, const int64_t *seq_lens,
+                         const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
+                         int64_t max_blocks, float scale, float *out, int nthreads) {
     if (T <= 0) return 0;
-    const attn_t a = {k_cache, v_cache, block_size, H, KVH, D, scale};
+    const attn_t a = {k_cache, v_cache, block_size, H, KVH, D, bf16, scale};
     const int G = H / KVH;
     const int64_t pf = (int64_t)G * (D + 2);  // floats of one chunk's partial
     // pos[t]: row t's last key; first[t]: chunks before row t; grp: group starts (ng + 1);
@@ -252,4 +271,25 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
     free(parts);
     free(buf);
     return failed ? -1 : 0;
+}
+
+int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                    int block_size, int H, int KVH, int D, const int64_t *query_start_loc,
+                    const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,
+                    const int32_t *block_tables, int64_t max_blocks, float scale, float *out,
+                    int nthreads) {
+    return attention_run(q, q_stride, k_cache, v_cache, 0, block_size, H, KVH, D,
+                         query_start_loc, seq_lens, seq_of_token, T, block_tables, max_blocks,
+                         scale, out, nthreads);
+}
+
+// The same over a bf16 cache (uint16 [num_blocks, block_size, KVH, D] each).
+int paged_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, int block_size, int H, int KVH, int D,
+                         const int64_t *query_start_loc, const int64_t *seq_lens,
+                         const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
+                         int64_t max_blocks, float scale, float *out, int nthreads) {
+    return attention_run(q, q_stride, k_cache, v_cache, 1, block_size, H, KVH, D,
+                         query_start_loc, seq_lens, seq_of_token, T, block_tables, max_blocks,
+                         scale, out, nthreads);
 }

@@ -1,11 +1,12 @@
-"""Paged attention through the block table (attention.c, AVX2 + FMA, float32).
+"""Paged attention through the block table (attention.c, AVX2 + FMA, float32 arithmetic on a
+float32 or bf16 cache).
 
 Reads each sequence's K/V where they lie in the paged cache — no gathered copy of the
 context, no padded mask — in chunks of 64 keys combined in order (flash-decoding, so one
 decode row uses every thread); the cut depends only on the row's position, so a row's output
 does not depend on the other rows of the step (batch invariance). The torch
 path (layers/attention.py) is used where this kernel cannot run: no AVX2, head_dim not a
-multiple of 8, or non-float32 caches.
+multiple of 8, or a model that does not run in float32.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ def library() -> ctypes.CDLL | None:
     lib = load("attention")
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.paged_attention.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
-                                        ctypes.c_float, p, i32]  # fmt: skip
-        lib.paged_attention.restype = ctypes.c_int
+        for f in (lib.paged_attention, lib.paged_attention_bf16):
+            f.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
+                          ctypes.c_float, p, i32]  # fmt: skip
+            f.restype = ctypes.c_int
     return lib
 
 
@@ -37,7 +39,7 @@ def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: any token stride, heads contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16
     v_cache: torch.Tensor,
     query_start_loc: torch.Tensor,  # int64 [num_seqs + 1]
     seq_lens: torch.Tensor,  # int64 [num_seqs]
@@ -50,7 +52,9 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     if num_tokens == 0:
         return out
-    rc = library().paged_attention(
+    lib = library()
+    fn = lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_attention
+    rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
         num_heads, num_kv_heads, head_dim, query_start_loc.data_ptr(), seq_lens.data_ptr(),
         seq_of_token.data_ptr(), num_tokens, block_tables.data_ptr(), block_tables.shape[1],

@@ -51,9 +51,18 @@ void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t I, int
 //   qkv [T, (H + 2 KVH) * D]; cos, sin [T, D/2] (this step's positions); caches
 //   [num_blocks * block_size, KVH, D] flat by slot; slots [T]. D % 16 == 0.
 // Same arithmetic as the torch path (x1 * c - x2 * s, x2 * c + x1 * s; no fused multiply-add).
-void rope_and_cache(float *qkv, const float *cos, const float *sin, float *k_cache,
-                    float *v_cache, const int64_t *slots, int64_t T, int H, int KVH, int D,
-                    int nthreads) {
+// 8 floats -> 8 bf16, rounded to nearest even (torch's float -> bfloat16 for every finite
+// value; a NaN stays a NaN), in integer AVX2 so that every ISA level writes the same bits.
+INLINE __m128i bf16_round8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+INLINE void rope_and_cache_t(float *qkv, const float *cos, const float *sin, void *k_cache,
+                             void *v_cache, const int64_t *slots, int64_t T, int H, int KVH,
+                             int D, int nthreads, const int BF) {
     const int half = D / 2, heads = H + KVH;
     const int64_t row = (int64_t)(H + 2 * KVH) * D;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 8)
@@ -71,11 +80,33 @@ void rope_and_cache(float *qkv, const float *cos, const float *sin, float *k_cac
                 _mm256_storeu_ps(x + half + i, o2);
             }
         }
-        float *kc = k_cache + slots[t] * KVH * D, *vc = v_cache + slots[t] * KVH * D;
+        const int64_t at = slots[t] * KVH * D;
         const float *k = r + (int64_t)H * D, *v = k + (int64_t)KVH * D;
-        for (int i = 0; i < KVH * D; i += 8) {
-            _mm256_storeu_ps(kc + i, _mm256_loadu_ps(k + i));
-            _mm256_storeu_ps(vc + i, _mm256_loadu_ps(v + i));
+        if (BF) {
+            uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
+            for (int i = 0; i < KVH * D; i += 8) {
+                _mm_storeu_si128((__m128i *)(kc + i), bf16_round8(_mm256_loadu_ps(k + i)));
+                _mm_storeu_si128((__m128i *)(vc + i), bf16_round8(_mm256_loadu_ps(v + i)));
+            }
+        } else {
+            float *kc = (float *)k_cache + at, *vc = (float *)v_cache + at;
+            for (int i = 0; i < KVH * D; i += 8) {
+                _mm256_storeu_ps(kc + i, _mm256_loadu_ps(k + i));
+                _mm256_storeu_ps(vc + i, _mm256_loadu_ps(v + i));
+            }
         }
     }
+}
+
+void rope_and_cache(float *qkv, const float *cos, const float *sin, float *k_cache,
+                    float *v_cache, const int64_t *slots, int64_t T, int H, int KVH, int D,
+                    int nthreads) {
+    rope_and_cache_t(qkv, cos, sin, k_cache, v_cache, slots, T, H, KVH, D, nthreads, 0);
+}
+
+// The same into a bf16 cache (uint16; --kv-cache-dtype bfloat16): K and V rounded as stored.
+void rope_and_cache_bf16(float *qkv, const float *cos, const float *sin, uint16_t *k_cache,
+                         uint16_t *v_cache, const int64_t *slots, int64_t T, int H, int KVH,
+                         int D, int nthreads) {
+    rope_and_cache_t(qkv, cos, sin, k_cache, v_cache, slots, T, H, KVH, D, nthreads, 1);
 }

@@ -18,8 +18,9 @@ def library() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, i32]
         lib.silu_and_mul.argtypes = [p, p, i64, i64, i32]
-        lib.rope_and_cache.argtypes = [p, p, p, p, p, p, i64, i32, i32, i32, i32]
-        lib.rms_norm.restype = lib.silu_and_mul.restype = lib.rope_and_cache.restype = None
+        for f in (lib.rope_and_cache, lib.rope_and_cache_bf16):
+            f.argtypes, f.restype = [p, p, p, p, p, p, i64, i32, i32, i32, i32], None
+        lib.rms_norm.restype = lib.silu_and_mul.restype = None
     return lib
 
 
@@ -47,15 +48,18 @@ def rope_and_cache(
     qkv: torch.Tensor,  # [num_tokens, (H + 2 KVH) * D], rotated in place
     cos: torch.Tensor,  # [num_tokens, D / 2] contiguous
     sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], float32 or bfloat16
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens]
     num_heads: int,
     num_kv_heads: int,
 ) -> None:
-    """RoPE on q and k inside ``qkv`` and the step's K/V written to the cache slots."""
+    """RoPE on q and k inside ``qkv`` and the step's K/V written to the cache slots (a bf16
+    cache gets them rounded to nearest even, as ``Tensor.to(torch.bfloat16)`` rounds)."""
     head_dim = k_cache.shape[-1]
-    library().rope_and_cache(
+    lib = library()
+    fn = lib.rope_and_cache_bf16 if k_cache.dtype == torch.bfloat16 else lib.rope_and_cache
+    fn(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim,
         kernel_threads(),

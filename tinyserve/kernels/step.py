@@ -96,14 +96,24 @@ class StepPlan:
             cfg.rms_norm_eps, attn.scale, layers,
         )  # fmt: skip
         self._caches: tuple[int, ctypes.Array, ctypes.Array] | None = None
+        # The cache writer and attention for each cache dtype (--kv-cache-dtype).
+        self._cache_fns = {
+            torch.float32: (self._struct.rope_and_cache, self._struct.paged_attention),
+            torch.bfloat16: (_fn(libs[2], "rope_and_cache_bf16"),
+                             _fn(libs[3], "paged_attention_bf16")),
+        }  # fmt: skip
 
     def _cache_ptrs(self, kv_caches) -> tuple[ctypes.Array, ctypes.Array]:
         """The layers' K and V cache pointers as C arrays, rebuilt when any pointer changes.
         Keyed by every K *and* V pointer: engines sharing one model (the tests) each bring
         their own caches, and a new engine's K tensors can land where a freed engine's did
         while its V tensors do not (a key of K alone handed the kernel freed V memory)."""
-        key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        dtype = kv_caches[0][0].dtype
+        key = (dtype, *(t.data_ptr() for kv in kv_caches for t in kv))
         if self._caches is None or self._caches[0] != key:
+            if dtype not in self._cache_fns:
+                raise ValueError(f"the fused step reads float32 or bfloat16 caches, not {dtype}")
+            self._struct.rope_and_cache, self._struct.paged_attention = self._cache_fns[dtype]
             n = len(kv_caches)
             ks = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kv_caches))
             vs = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in kv_caches))

@@ -16,13 +16,16 @@ from tinyserve.worker.kv_cache import allocate_kv_cache
 
 
 class PagedRunner:
-    def __init__(self, model, block_size: int, num_blocks: int = 256, seed: int = 0) -> None:
+    def __init__(
+        self, model, block_size: int, num_blocks: int = 256, seed: int = 0, kv_dtype=None
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device  # the model's device
-        self.kv_caches = allocate_kv_cache(
-            model.config, num_blocks, block_size, model.dtype, self.device, model.tp.size
-        )
+        self.kv_caches = allocate_kv_cache(  # kv_dtype: the cache's (default the model's)
+            model.config, num_blocks, block_size, kv_dtype or model.dtype, self.device,
+            model.tp.size,
+        )  # fmt: skip
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
@@ -105,3 +108,33 @@ def greedy_generate(
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def mixed_steps(runner: PagedRunner, rng) -> list[torch.Tensor]:
+    """Prefill chunks, a continued chunk and decode rows, in varied batch orders: every
+    token's logits (the kernel tests compare two models or caches through them)."""
+    seqs = {s: [rng.randrange(3, 250) for _ in range(40)] for s in "abc"}
+    out = [runner.step([("a", seqs["a"][:9]), ("b", seqs["b"][:3])])]
+    out.append(runner.step([("b", seqs["b"][3:4]), ("a", seqs["a"][9:10]), ("c", seqs["c"][:17])],
+                           decode={"a"}))  # fmt: skip
+    for i in range(3):
+        chunk = [("c", seqs["c"][17 + i : 18 + i]), ("a", seqs["a"][10 + i : 11 + i]),
+                 ("b", seqs["b"][4 + i : 5 + i])]  # fmt: skip
+        out.append(runner.step(chunk, decode={"a", "b", "c"} if i else {"a", "b"}))
+    return [t for step in out for t in step]
+
+
+def random_paged_case(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed):
+    """Random float32 K/V caches, shuffled block tables for ``seq_lens`` and queries for
+    ``query_lens``: (q, k_cache, v_cache, tables), for the attention kernel tests."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    # q as the model passes it: the first heads of a fused [tokens, q + k heads, dim] tensor.
+    qk = torch.randn(sum(query_lens), num_heads + num_kv_heads, head_dim, generator=gen)
+    return qk[:, :num_heads], k_cache, v_cache, tables

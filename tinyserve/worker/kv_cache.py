@@ -5,9 +5,28 @@ from __future__ import annotations
 
 import torch
 
-from tinyserve.config import CacheConfig, ModelConfig
+from tinyserve.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
+    """--kv-cache-dtype: "auto" is the model's dtype; "bfloat16" needs either a bf16 model or
+    the CPU kernels' attention (kernels/attention.c reads a bf16 cache; the torch path
+    attends in the model's dtype)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
+        )
+    if name == "auto" or model.dtype == torch.bfloat16:
+        return model.dtype
+    if model.attention_backend != "kernel":
+        raise ValueError(
+            "kv_cache_dtype='bfloat16' with a float32 model needs the CPU kernels' attention "
+            "(a CPU with AVX2/FMA and cpu_kernels on); here attention runs in torch, in "
+            f"{model.dtype}: use dtype='bfloat16' for a bf16 cache"
+        )
+    return torch.bfloat16
 
 
 def bytes_per_block(

@@ -48,9 +48,11 @@ class ModelRunner:
         decode_graphs: str = "off",
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``decode_graphs``: "capture" (CUDA graphs for pure-decode steps), "eager" (the
-        same fixed-buffer path run without capturing: the CPU tests), or "off"."""
+        same fixed-buffer path run without capturing: the CPU tests), or "off". ``kv_dtype``:
+        the cache's (default the model's; executor.resolve_kv_cache_dtype)."""
         if decode_graphs not in ("off", "eager", "capture"):
             raise ValueError(f"decode_graphs must be off, eager or capture, not {decode_graphs!r}")
         self.model = model
@@ -62,7 +64,8 @@ class ModelRunner:
         graphs = decode_graphs != "off" and self.tp.size == 1  # (graphs hold no collectives)
         # The fixed-buffer decode path's padding rows write a scratch block past the real ones.
         self.kv_caches = allocate_kv_cache(self.config, num_blocks + int(graphs), block_size,
-                                           model.dtype, device, tp_size=self.tp.size)  # fmt: skip
+                                           kv_dtype or model.dtype, device,
+                                           tp_size=self.tp.size)  # fmt: skip
         self.sampler = Sampler()
         self.to_device = HostToDevice(device)
         self.decode_graphs = None

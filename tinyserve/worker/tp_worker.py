@@ -40,6 +40,7 @@ class WorkerSpec:
     cpu_kernels: bool = True
     quantization: str | None = None
     decode_activations: str = "float32"
+    kv_cache_dtype: str = "auto"
 
 
 def _use_threads(n: int) -> None:
@@ -202,7 +203,10 @@ def worker_main(
         num_blocks = group.broadcast()
         if num_blocks is None:  # the driver failed to start
             return
-        runner = ModelRunner(model, num_blocks, spec.block_size, device)
+        from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
+
+        kv_dtype = resolve_kv_cache_dtype(spec.kv_cache_dtype, model)
+        runner = ModelRunner(model, num_blocks, spec.block_size, device, kv_dtype=kv_dtype)
         group.barrier()
         runner.serve_driver()
     finally:

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Decode steps with a float32 KV cache against --kv-cache-dtype bfloat16, side by side in
+one run: for each batch size and context length, both engines get the same requests (each
+its own random prompt of ``context`` tokens, so no two share cached blocks), prefill them,
+then take decode steps alternately, one engine's step then the other's, so that the host's
+noise falls on both. Reports median step ms, output tok/s and their ratio.
+
+A decode row reads its whole context's K and V every step: at one row and ~600 tokens that
+is ~28 MB in float32 beside ~96 MB of SmolLM2's weights, and it grows with the context and
+the batch; bf16 halves it.
+
+python benchmarks/bench_kv_dtype.py [--batch-sizes 1,8,32] [--contexts 256,1000] [--steps 16]
+    [--out benchmarks/results/kv_dtype.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
+
+from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
+from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
+from tinyserve.sampling_params import SamplingParams  # noqa: E402
+
+DTYPES = ("auto", "bfloat16")
+
+
+def engines(args) -> dict[str, LLMEngine]:
+    common = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=64,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  load_tokenizer=False)  # fmt: skip
+    return {d: LLMEngine(EngineArgs(**common, kv_cache_dtype=d)) for d in DTYPES}
+
+
+def prefill(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> None:
+    rng = random.Random(salt)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(
+            f"{salt}-{i}", [rng.randrange(100, 40000) for _ in range(context)], params
+        )
+    sched = engine.core.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        engine.step()
+    engine.step()  # every request decoding from here
+
+
+def measure(engs: dict[str, LLMEngine], batch: int, context: int, steps: int) -> dict:
+    for n, e in enumerate(engs.values()):
+        prefill(e, batch, context, steps, salt=1000 * batch + context + n)
+    times: dict[str, list[float]] = {d: [] for d in engs}
+    for s in range(steps):
+        for d in DTYPES if s % 2 == 0 else DTYPES[::-1]:
+            t = time.perf_counter()
+            engs[d].step()
+            times[d].append(time.perf_counter() - t)
+    for e in engs.values():
+        for rid in list(e.output_processor.parents):
+            e.abort(rid)
+        while e.has_unfinished():
+            e.step()
+    row = {"batch": batch, "context": context}
+    for d, ts in times.items():
+        ms = 1000 * statistics.median(ts)
+        row[d] = {"step_ms": round(ms, 2), "min_ms": round(1000 * min(ts), 2),
+                  "tok_s": round(batch / ms * 1000, 1)}  # fmt: skip
+    row["bf16_speedup"] = round(row["auto"]["step_ms"] / row["bfloat16"]["step_ms"], 3)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--contexts", default="256,1000")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default="3GiB")
+    p.add_argument("--out", default="benchmarks/results/kv_dtype.json")
+    args = p.parse_args()
+    engs = engines(args)
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            row = measure(engs, batch, context, args.steps)
+            rows.append(row)
+            a, b = row["auto"], row["bfloat16"]
+            print(f"batch {batch:3d} context {context:5d}: float32 KV {a['step_ms']:7.2f} ms "
+                  f"({a['tok_s']:6.1f} tok/s)  bf16 KV {b['step_ms']:7.2f} ms ({b['tok_s']:6.1f} "
+                  f"tok/s)  x{row['bf16_speedup']:.2f}", flush=True)  # fmt: skip
+    result = {"machine": machine_info(), "steps": args.steps, "rows": rows,
+              "kv_blocks": {d: e.executor.num_blocks for d, e in engs.items()}}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -103,6 +103,17 @@ def test_greedy_is_token_identical_batched_alone_and_on_prefix_hits(smol_path):
     assert_no_leaks(spec)
 
 
+def test_greedy_is_token_identical_on_a_bf16_kv_cache(smol_path):
+    """--kv-cache-dtype bfloat16: a verification run writes its drafts' K/V rounded and reads
+    them back like decode steps do, so speculation still changes nothing."""
+    reqs = _requests(_engine(smol_path, None).tokenizer)[::8]
+    plain = _engine(smol_path, None, kv_cache_dtype="bfloat16")
+    spec = _engine(smol_path, SPEC, kv_cache_dtype="bfloat16")
+    assert _outputs(run_batch(spec, reqs), reqs) == _outputs(run_batch(plain, reqs), reqs)
+    assert spec.core.proposer.stats.num_accepted_tokens > 0
+    assert_no_leaks(spec)
+
+
 def test_the_adaptive_policy_prices_drafts_with_this_machines_steps(smol_path):
     """With the default (adaptive) policy the engine times its steps by row count — decode
     steps, prompt-sized prefill steps and the verification steps it drafts — and copy

@@ -9,18 +9,26 @@ A decode row reads its whole context's K and V every step: at one row and ~600 t
 is ~28 MB in float32 beside ~96 MB of SmolLM2's weights, and it grows with the context and
 the batch; bf16 halves it.
 
+``--compare huge-pages``: both engines fp32, the first with its cache in 4 KiB pages
+(TINYSERVE_HUGE_PAGES=0), the second in transparent huge pages (the default, worker/
+kv_cache.py); ``--fragment`` shuffles each engine's free block queue first, as a long-running
+server's pool is, so a sequence's blocks lie scattered (a fresh pool hands them out in order).
+In the JSON the first engine is "auto", the second "bfloat16" (bf16_speedup: second / first).
+
 python benchmarks/bench_kv_dtype.py [--batch-sizes 1,8,32] [--contexts 256,1000] [--steps 16]
-    [--out benchmarks/results/kv_dtype.json]
+    [--compare kv-dtype|huge-pages] [--fragment] [--out benchmarks/results/kv_dtype.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,13 +39,28 @@ from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
 from tinyserve.sampling_params import SamplingParams  # noqa: E402
 
 DTYPES = ("auto", "bfloat16")
+NAMES = {"kv-dtype": ("float32 KV", "bf16 KV"), "huge-pages": ("4 KiB pages", "huge pages")}
 
 
 def engines(args) -> dict[str, LLMEngine]:
     common = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=64,
                   max_num_batched_tokens=2048, enable_prefix_caching=False,
                   load_tokenizer=False)  # fmt: skip
-    return {d: LLMEngine(EngineArgs(**common, kv_cache_dtype=d)) for d in DTYPES}
+    if args.compare == "kv-dtype":
+        engs = {d: LLMEngine(EngineArgs(**common, kv_cache_dtype=d)) for d in DTYPES}
+    else:  # the same fp32 engine, its cache in 4 KiB pages, then in huge pages
+        engs = {}
+        for d, huge in zip(DTYPES, ("0", "1"), strict=True):
+            os.environ["TINYSERVE_HUGE_PAGES"] = huge
+            engs[d] = LLMEngine(EngineArgs(**common))
+        os.environ.pop("TINYSERVE_HUGE_PAGES")
+    if args.fragment:
+        for e in engs.values():
+            manager = e.core.kv_cache_manager
+            ids = list(manager._free_queue)
+            random.Random(0).shuffle(ids)
+            manager._free_queue = OrderedDict.fromkeys(ids)
+    return engs
 
 
 def prefill(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> None:
@@ -85,6 +108,8 @@ def main() -> int:
     p.add_argument("--contexts", default="256,1000")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="3GiB")
+    p.add_argument("--compare", choices=["kv-dtype", "huge-pages"], default="kv-dtype")
+    p.add_argument("--fragment", action="store_true", help="shuffle the free block queues first")
     p.add_argument("--out", default="benchmarks/results/kv_dtype.json")
     args = p.parse_args()
     engs = engines(args)
@@ -94,10 +119,12 @@ def main() -> int:
             row = measure(engs, batch, context, args.steps)
             rows.append(row)
             a, b = row["auto"], row["bfloat16"]
-            print(f"batch {batch:3d} context {context:5d}: float32 KV {a['step_ms']:7.2f} ms "
-                  f"({a['tok_s']:6.1f} tok/s)  bf16 KV {b['step_ms']:7.2f} ms ({b['tok_s']:6.1f} "
+            first, second = NAMES[args.compare]
+            print(f"batch {batch:3d} context {context:5d}: {first} {a['step_ms']:7.2f} ms "
+                  f"({a['tok_s']:6.1f} tok/s)  {second} {b['step_ms']:7.2f} ms ({b['tok_s']:6.1f} "
                   f"tok/s)  x{row['bf16_speedup']:.2f}", flush=True)  # fmt: skip
-    result = {"machine": machine_info(), "steps": args.steps, "rows": rows,
+    result = {"machine": machine_info(), "steps": args.steps, "compare": args.compare,
+              "fragment": args.fragment, "rows": rows,
               "kv_blocks": {d: e.executor.num_blocks for d, e in engs.items()}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,0 +1,71 @@
+"""The CPU KV cache: one zero-filled buffer, a contiguous (K, V) view pair per layer, asked
+for in transparent huge pages (a decode row's scattered blocks otherwise miss the TLB on
+nearly every page), and the advice skipped where it cannot apply."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyserve.testing.checkpoints import llama_config
+from tinyserve.worker.kv_cache import advise_huge_pages, allocate_kv_cache
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    """ "always", "madvise" or "never" (the bracketed word), None without THP."""
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _huge_kib(ptr: int) -> int:
+    """AnonHugePages of the mapping that holds address ``ptr`` (/proc/self/smaps)."""
+    inside, kib = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            kib = int(line.split()[1])
+    return kib
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_are_contiguous_zeroed_views_of_one_buffer(dtype):
+    cfg = llama_config()
+    kv = allocate_kv_cache(cfg, 37, 4, dtype)
+    shape = (37, 4, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    assert len(kv) == cfg.num_hidden_layers
+    ptrs = set()
+    for k, v in kv:
+        for t in (k, v):
+            assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+            assert not t.any()
+            ptrs.add(t.data_ptr())
+    assert len(ptrs) == 2 * cfg.num_hidden_layers  # no two tensors alias
+    kv[0][1].fill_(1)
+    assert not kv[0][0].any() and not kv[1][0].any()  # writes stay in their tensor
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() in (None, "never"),
+                    reason="needs Linux transparent huge pages in madvise or always mode")  # fmt: skip
+def test_a_big_cache_is_backed_by_huge_pages(monkeypatch):
+    class Shape:  # SmolLM2's KV shape: 30 layers x 3 heads x 64
+        num_key_value_heads, head_dim, num_hidden_layers = 3, 64, 30
+
+    kv = allocate_kv_cache(Shape, 256, 16, torch.float32)  # 2 x 30 x 3 MiB
+    assert _huge_kib(kv[10][0].data_ptr()) >= 2048
+    monkeypatch.setenv("TINYSERVE_HUGE_PAGES", "0")
+    assert advise_huge_pages(torch.empty(1 << 22)) is False
+
+
+def test_too_small_a_tensor_gets_no_advice():
+    assert advise_huge_pages(torch.empty(16)) is False  # no whole 2 MiB page inside

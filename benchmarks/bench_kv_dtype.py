@@ -13,7 +13,8 @@ the batch; bf16 halves it.
 (TINYSERVE_HUGE_PAGES=0), the second in transparent huge pages (the default, worker/
 kv_cache.py); ``--fragment`` shuffles each engine's free block queue first, as a long-running
 server's pool is, so a sequence's blocks lie scattered (a fresh pool hands them out in order).
-In the JSON the first engine is "auto", the second "bfloat16" (bf16_speedup: second / first).
+Each row of the JSON holds both engines under their labels and ``speedup``: the first's
+step time over the second's.
 
 python benchmarks/bench_kv_dtype.py [--batch-sizes 1,8,32] [--contexts 256,1000] [--steps 16]
     [--compare kv-dtype|huge-pages] [--fragment] [--out benchmarks/results/kv_dtype.json]
@@ -38,22 +39,25 @@ from tinyserve.engine.arg_utils import EngineArgs  # noqa: E402
 from tinyserve.engine.llm_engine import LLMEngine  # noqa: E402
 from tinyserve.sampling_params import SamplingParams  # noqa: E402
 
-DTYPES = ("auto", "bfloat16")
-NAMES = {"kv-dtype": ("float32 KV", "bf16 KV"), "huge-pages": ("4 KiB pages", "huge pages")}
+# --compare -> the two engines' labels and what sets each apart (its EngineArgs, or
+# $TINYSERVE_HUGE_PAGES while it allocates its cache).
+ENGINES = {
+    "kv-dtype": {"float32": ({"kv_cache_dtype": "auto"}, None),
+                 "bfloat16": ({"kv_cache_dtype": "bfloat16"}, None)},
+    "huge-pages": {"4k_pages": ({}, "0"), "huge_pages": ({}, "1")},
+}  # fmt: skip
 
 
 def engines(args) -> dict[str, LLMEngine]:
     common = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=64,
                   max_num_batched_tokens=2048, enable_prefix_caching=False,
                   load_tokenizer=False)  # fmt: skip
-    if args.compare == "kv-dtype":
-        engs = {d: LLMEngine(EngineArgs(**common, kv_cache_dtype=d)) for d in DTYPES}
-    else:  # the same fp32 engine, its cache in 4 KiB pages, then in huge pages
-        engs = {}
-        for d, huge in zip(DTYPES, ("0", "1"), strict=True):
+    engs = {}
+    for label, (kw, huge) in ENGINES[args.compare].items():
+        if huge is not None:
             os.environ["TINYSERVE_HUGE_PAGES"] = huge
-            engs[d] = LLMEngine(EngineArgs(**common))
-        os.environ.pop("TINYSERVE_HUGE_PAGES")
+        engs[label] = LLMEngine(EngineArgs(**common, **kw))
+        os.environ.pop("TINYSERVE_HUGE_PAGES", None)
     if args.fragment:
         for e in engs.values():
             manager = e.core.kv_cache_manager
@@ -80,8 +84,9 @@ def measure(engs: dict[str, LLMEngine], batch: int, context: int, steps: int) ->
     for n, e in enumerate(engs.values()):
         prefill(e, batch, context, steps, salt=1000 * batch + context + n)
     times: dict[str, list[float]] = {d: [] for d in engs}
+    labels = list(engs)
     for s in range(steps):
-        for d in DTYPES if s % 2 == 0 else DTYPES[::-1]:
+        for d in labels if s % 2 == 0 else labels[::-1]:
             t = time.perf_counter()
             engs[d].step()
             times[d].append(time.perf_counter() - t)
@@ -95,7 +100,7 @@ def measure(engs: dict[str, LLMEngine], batch: int, context: int, steps: int) ->
         ms = 1000 * statistics.median(ts)
         row[d] = {"step_ms": round(ms, 2), "min_ms": round(1000 * min(ts), 2),
                   "tok_s": round(batch / ms * 1000, 1)}  # fmt: skip
-    row["bf16_speedup"] = round(row["auto"]["step_ms"] / row["bfloat16"]["step_ms"], 3)
+    row["speedup"] = round(row[labels[0]]["step_ms"] / row[labels[1]]["step_ms"], 3)
     return row
 
 
@@ -118,11 +123,10 @@ def main() -> int:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             row = measure(engs, batch, context, args.steps)
             rows.append(row)
-            a, b = row["auto"], row["bfloat16"]
-            first, second = NAMES[args.compare]
+            (first, a), (second, b) = ((k, row[k]) for k in engs)
             print(f"batch {batch:3d} context {context:5d}: {first} {a['step_ms']:7.2f} ms "
                   f"({a['tok_s']:6.1f} tok/s)  {second} {b['step_ms']:7.2f} ms ({b['tok_s']:6.1f} "
-                  f"tok/s)  x{row['bf16_speedup']:.2f}", flush=True)  # fmt: skip
+                  f"tok/s)  x{row['speedup']:.2f}", flush=True)  # fmt: skip
     result = {"machine": machine_info(), "steps": args.steps, "compare": args.compare,
               "fragment": args.fragment, "rows": rows,
               "kv_blocks": {d: e.executor.num_blocks for d, e in engs.items()}}  # fmt: skip

@@ -18,7 +18,7 @@ Each is priced in hindsight: a step drafts exactly the tokens that will be accep
 rejected row is ever paid for — an upper bound on what any draft-length policy (the
 adaptive one included) gets from that proposer. With the times measured here — each
 request's prefill to its first token (``ttft``) and a step's cost by its row count (the
-engine's own table, spec_decode/cost.py; rows past its end on its overall slope):
+engine's own measured model, spec_decode/cost.py's ``StepCostModel.estimate``):
 
     bound = (ttft + (n - 1) t(1)) / (ttft + sum over the steps of t(1 + accepted))
 
@@ -47,6 +47,7 @@ from bench_spec import SPEC  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from tinyserve import LLM, SamplingParams  # noqa: E402
+from tinyserve.spec_decode.cost import StepCostModel  # noqa: E402
 from tinyserve.spec_decode.ngram import propose  # noqa: E402
 
 GRID = [(2, 2), (8, 2), (4, 1), (8, 1), (16, 1)]  # (num_speculative_tokens, prompt_lookup_min)
@@ -96,31 +97,16 @@ def replay(prompt: list[int], out: list[int], method: str, cfg: dict) -> list[tu
     return steps
 
 
-def price(steps: list[tuple[int, int]], table: dict[int, float], ttft: float, n: int) -> dict:
-    t1 = table[1]
+def price(steps: list[tuple[int, int]], cost: StepCostModel, ttft: float, n: int) -> dict:
+    t1 = cost.estimate(1)
     plain = ttft + (n - 1) * t1
     return {
         "steps": len(steps),
         "tokens_per_step": (n - 1) / len(steps),
-        "bound": plain / (ttft + sum(step_cost(table, 1 + a) for _, a in steps)),
+        "bound": plain / (ttft + sum(cost.estimate(1 + a) for _, a in steps)),
         "bound_free_rows": plain / (ttft + len(steps) * t1),
-        "full": plain / (ttft + sum(step_cost(table, 1 + d) for d, _ in steps)),
+        "full": plain / (ttft + sum(cost.estimate(1 + d) for d, _ in steps)),
     }
-
-
-def step_cost(table: dict[int, float], rows: int) -> float:
-    """Seconds of a step of ``rows`` rows: the measured table, linear between its counts and
-    on its overall slope past its end."""
-    if rows in table:
-        return table[rows]
-    known = sorted(table)
-    below = [k for k in known if k < rows]
-    above = [k for k in known if k > rows]
-    if below and above:
-        lo, hi = below[-1], above[0]
-        return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
-    slope = (table[known[-1]] - table[known[0]]) / max(1, known[-1] - known[0])
-    return table[known[-1]] + slope * (rows - known[-1])
 
 
 def run_one(llm: LLM, req) -> dict:
@@ -173,7 +159,7 @@ def main() -> int:
     for a, b in zip(plain, spec, strict=True):
         if a["output"] != b["output"]:
             sys.exit("speculation changed a greedy output: see tests/engine/test_spec_decode.py")
-    table = dict(on.engine.core.scheduler.proposer.cost._seconds)
+    cost = on.engine.core.scheduler.proposer.cost
     rows = []
     for a, b in zip(plain, spec, strict=True):
         n = len(a["output"])
@@ -191,7 +177,7 @@ def main() -> int:
             )
             for k, lo in GRID
         ]:
-            row[name] = price(replay(a["prompt"], a["output"], method, c), table, a["ttft_s"], n)
+            row[name] = price(replay(a["prompt"], a["output"], method, c), cost, a["ttft_s"], n)
         rows.append(row)
 
     def med(f):
@@ -200,7 +186,9 @@ def main() -> int:
     summary = {
         "measured_on_off": med(lambda r: r["off_s"] / r["on_s"]),
         "ttft_share_off": med(lambda r: r["ttft_s"] / r["off_s"]),
-        "step_cost_ms": {str(k): round(v * 1e3, 3) for k, v in sorted(table.items()) if k <= 16},
+        "step_cost_ms": {
+            str(k): round(cost.estimate(k) * 1e3, 3) for k in cost.measured_rows if k <= 16
+        },
     }
     methods = ["ngram", "oracle"] + [f"ngram_k{k}_min{lo}" for k, lo in GRID]
     for method in methods:

@@ -54,18 +54,26 @@ def test_the_oracle_finds_the_earlier_match_the_latest_one_misses(ceiling):
 
 
 def test_pricing_orders_the_bounds(ceiling):
-    table = {1: 0.010, 2: 0.014, 5: 0.026}
+    from tinyserve.spec_decode.cost import PRIOR_ROW_COST, StepCostModel
+
+    cost = StepCostModel()
+    for rows, seconds in ((1, 0.010), (2, 0.014), (5, 0.026)):
+        cost.observe(rows, seconds)
     steps = [(0, 0), (4, 4), (4, 1), (2, 0), (4, 3)]
     n = 1 + sum(a + 1 for _, a in steps)
-    p = ceiling.price(steps, table, ttft=0.2, n=n)
+    p = ceiling.price(steps, cost, ttft=0.2, n=n)
     assert p["bound_free_rows"] > p["bound"] > p["full"]
     plain = 0.2 + (n - 1) * 0.010
     t4 = 0.014 + (0.026 - 0.014) * 2 / 3  # between the measured 2 and 5 rows
-    assert ceiling.step_cost(table, 4) == pytest.approx(t4)
     assert p["bound"] == pytest.approx(plain / (0.2 + 0.010 + 0.026 + 0.014 + 0.010 + t4))
-    # rows past the table: its overall slope, (0.026 - 0.010) / 4 per row
-    assert ceiling.step_cost(table, 7) == pytest.approx(0.026 + 2 * 0.004)
+    # rows past the measured ones: the engine's own estimate (the prior's price a row)
+    t7 = 0.026 + 2 * PRIOR_ROW_COST * 0.010
+    t3 = 0.014 + (0.026 - 0.014) / 3
+    assert p["full"] == pytest.approx(plain / (0.2 + 0.010 + 0.026 + 0.026 + t3 + 0.026))
+    assert ceiling.price([(6, 6)], cost, ttft=0.2, n=8)["bound"] == pytest.approx(
+        (0.2 + 7 * 0.010) / (0.2 + t7)
+    )
     # nothing drafted: no gain whatever the price
-    assert ceiling.price([(0, 0)] * 9, table, ttft=0.2, n=10)["bound_free_rows"] == pytest.approx(
+    assert ceiling.price([(0, 0)] * 9, cost, ttft=0.2, n=10)["bound_free_rows"] == pytest.approx(
         1.0
     )

@@ -46,11 +46,6 @@ void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t I, int
     }
 }
 
-// Rotary embedding (rotate-half) of q and k, in place in the fused qkv rows, and the step's
-// K and V written into the paged cache at their slots: one pass instead of ~10 torch ops.
-//   qkv [T, (H + 2 KVH) * D]; cos, sin [T, D/2] (this step's positions); caches
-//   [num_blocks * block_size, KVH, D] flat by slot; slots [T]. D % 16 == 0.
-// Same arithmetic as the torch path (x1 * c - x2 * s, x2 * c + x1 * s; no fused multiply-add).
 // 8 floats -> 8 bf16, rounded to nearest even (torch's float -> bfloat16 for every finite
 // value; a NaN stays a NaN), in integer AVX2 so that every ISA level writes the same bits.
 INLINE __m128i bf16_round8(__m256 x) {
@@ -60,6 +55,12 @@ INLINE __m128i bf16_round8(__m256 x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+// Rotary embedding (rotate-half) of q and k, in place in the fused qkv rows, and the step's
+// K and V written into the paged cache at their slots (float32, or BF: bf16 rounded by
+// bf16_round8): one pass instead of ~10 torch ops.
+//   qkv [T, (H + 2 KVH) * D]; cos, sin [T, D/2] (this step's positions); caches
+//   [num_blocks * block_size, KVH, D] flat by slot; slots [T]. D % 16 == 0.
+// Same arithmetic as the torch path (x1 * c - x2 * s, x2 * c + x1 * s; no fused multiply-add).
 INLINE void rope_and_cache_t(float *qkv, const float *cos, const float *sin, void *k_cache,
                              void *v_cache, const int64_t *slots, int64_t T, int H, int KVH,
                              int D, int nthreads, const int BF) {

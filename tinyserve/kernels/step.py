@@ -95,7 +95,7 @@ class StepPlan:
             cfg.intermediate_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
             cfg.rms_norm_eps, attn.scale, layers,
         )  # fmt: skip
-        self._caches: tuple[int, ctypes.Array, ctypes.Array] | None = None
+        self._caches: tuple[tuple, ctypes.Array, ctypes.Array] | None = None  # (key, K, V)
         # The cache writer and attention for each cache dtype (--kv-cache-dtype).
         self._cache_fns = {
             torch.float32: (self._struct.rope_and_cache, self._struct.paged_attention),

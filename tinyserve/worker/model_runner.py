@@ -52,7 +52,7 @@ class ModelRunner:
     ) -> None:
         """``decode_graphs``: "capture" (CUDA graphs for pure-decode steps), "eager" (the
         same fixed-buffer path run without capturing: the CPU tests), or "off". ``kv_dtype``:
-        the cache's (default the model's; executor.resolve_kv_cache_dtype)."""
+        the cache's (default the model's; worker/kv_cache.py resolve_kv_cache_dtype)."""
         if decode_graphs not in ("off", "eager", "capture"):
             raise ValueError(f"decode_graphs must be off, eager or capture, not {decode_graphs!r}")
         self.model = model

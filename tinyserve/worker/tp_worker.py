@@ -179,6 +179,7 @@ def worker_main(
     from tinyserve.models.loader import load_model
     from tinyserve.worker.autotune import resolve_engine_dtype
     from tinyserve.worker.device import resolve_device
+    from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
     from tinyserve.worker.model_runner import ModelRunner
 
     if not logging.getLogger().handlers:
@@ -203,8 +204,6 @@ def worker_main(
         num_blocks = group.broadcast()
         if num_blocks is None:  # the driver failed to start
             return
-        from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
-
         kv_dtype = resolve_kv_cache_dtype(spec.kv_cache_dtype, model)
         runner = ModelRunner(model, num_blocks, spec.block_size, device, kv_dtype=kv_dtype)
         group.barrier()

@@ -325,6 +325,51 @@ def test_block_table_attention_matches_the_reference(heads, kv_heads, dim, block
         start += ql
 
 
+@needs_attention_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("run,seq_len", [(13, 70), (13, 80), (5, 130)])
+def test_each_row_of_a_run_is_bitwise_that_row_alone_at_every_isa_level(kv_dtype, run, seq_len):
+    """Speculation's greedy identity rests on this: a verification run's row at position p
+    (rows of one sequence read each chunk's keys and values together, several queries a
+    pass) gives bitwise what a decode row at p alone gives, on either side of a chunk
+    boundary and where a row's keys in a chunk end on a multiple of 8 before a later row's,
+    and the AVX2 build (one query a pass) gives the AVX-512 build's bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, bs, [run], [seq_len], seed=5)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+    levels = build.usable_levels()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        libs = list(pool.map(lambda lv: ctypes.CDLL(str(build.built("attention", lv))), levels))
+    table = torch.tensor(tables, dtype=torch.int32)
+
+    def attend(lib, rows: torch.Tensor, last: int) -> torch.Tensor:
+        """rows [n, heads, dim]: one sequence's queries at positions last-n+1 .. last."""
+        n = rows.shape[0]
+        fn = lib.paged_attention_bf16 if kv_dtype == torch.bfloat16 else lib.paged_attention
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
+                       ctypes.c_float, p, i32]  # fmt: skip
+        out = torch.empty(n, heads, dim)
+        qsl, lens = torch.tensor([0, n]), torch.tensor([last + 1])
+        sot = torch.zeros(n, dtype=torch.int64)
+        assert fn(rows.data_ptr(), rows.stride(0), kc.data_ptr(), vc.data_ptr(), bs, heads,
+                  kv_heads, dim, qsl.data_ptr(), lens.data_ptr(), sot.data_ptr(), n,
+                  table.data_ptr(), table.shape[1], dim**-0.5, out.data_ptr(), 2) == 0  # fmt: skip
+        return out
+
+    together = attend(libs[0], q, seq_len - 1)
+    want = reference_paged_attention(q, kc.float(), vc.float(), [run], [seq_len], tables,
+                                     dim**-0.5)  # fmt: skip
+    assert (together - want).abs().max() < 1e-5
+    for lib in libs:
+        assert torch.equal(attend(lib, q, seq_len - 1), together)
+        for i in range(run):
+            alone = attend(lib, q[i : i + 1], seq_len - run + i)
+            assert torch.equal(alone[0], together[i]), i
+
+
 @needs_kernel
 def test_smollm2_logits_through_the_kernels_and_through_torch(smollm2_gguf_path):
     with_k, _ = load_model(smollm2_gguf_path, torch.float32, "cpu", kernel_activations="float32")

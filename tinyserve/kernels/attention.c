@@ -20,6 +20,7 @@
 #include <math.h>
 
 #define CHUNK 64  // keys per chunk
+#define GROUP 8  // consecutive rows of one sequence that share each chunk's key/value reads
 
 // Lane i = hsum of a[i]: the 8 dot products of a key group as one vector.
 INLINE __m256 hsum8x8(const __m256 a[8]) {
@@ -38,31 +39,87 @@ INLINE __m256 load_kv(const void *row, int64_t d, const int BF) {
     return _mm256_loadu_ps((const float *)row + d);
 }
 
-// o[0 .. 8*NV) = sum_i p[i] * v_i[d0 ..], the accumulators in registers.
-INLINE void weighted_sum(const void *const *vp, const float *p, int n, int64_t d0, int NV,
-                         float *o, const int BF) {
-    __m256 acc[8];
-    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
-    for (int i = 0; i < n; i++) {
-        const __m256 pb = _mm256_set1_ps(p[i]);
-        for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(pb, load_kv(vp[i], d0 + v * 8, BF), acc[v]);
-    }
-    for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + v * 8, acc[v]);
-}
-
 typedef struct {
     const void *k_cache, *v_cache;  // float32, or bf16 (uint16) when bf16
     int block_size, H, KVH, D, bf16;
     float scale;
 } attn_t;
 
-// The partial of keys j0 .. j0+n-1 (n <= CHUNK) for the G heads of KV head g: part[h] holds
-// m, l, o[D] (stride D + 2). scratch: 2 * CHUNK pointers' room + G * CHUNK floats.
-INLINE void chunk_partial_t(const attn_t *a, const float *q, const int32_t *table, int64_t g,
-                            int64_t j0, int n, float *part, void *scratch, const int BF) {
-    const int G = a->H / a->KVH, D = a->D;
+// Query vectors per pass over a chunk's keys (QB) and values (QV): each key or value vector
+// loaded once serves that many queries (the G heads of a row, then the next rows of the
+// group). 8 * QB score accumulators or 8 * QV value accumulators, plus the operands, must
+// stay in registers: 3 with AVX-512VL's 32 vector registers, 1 with AVX2's 16.
+#ifdef __AVX512VL__
+#define QB 3
+#define QV 3
+#else
+#define QB 1
+#define QV 1
+#endif
+
+// Scores of NQ queries qs[m] against keys i0 .. i0+7: lane d%8 of acc[m][i] sums q[d] k_i[d]
+// over d in order, then hsum8x8 and the scale — per (query, key) the same operations
+// whatever NQ is, so a row's scores do not depend on the rows it shares a pass with.
+INLINE void scores8(const void *const *kp, int i0, const float *const *qs, int D, __m256 scale,
+                    float *const *ps, const int NQ, const int BF) {
+    __m256 acc[QB][8];
+    for (int m = 0; m < NQ; m++)
+        for (int i = 0; i < 8; i++) acc[m][i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 qv[QB];
+        for (int m = 0; m < NQ; m++) qv[m] = _mm256_loadu_ps(qs[m] + d);
+        for (int i = 0; i < 8; i++) {
+            const __m256 kv = load_kv(kp[i0 + i], d, BF);
+            for (int m = 0; m < NQ; m++) acc[m][i] = _mm256_fmadd_ps(qv[m], kv, acc[m][i]);
+        }
+    }
+    for (int m = 0; m < NQ; m++)
+        _mm256_storeu_ps(ps[m] + i0, _mm256_mul_ps(hsum8x8(acc[m]), scale));
+}
+
+// os[m][d0 .. d0+8*NV) = sum_{i < n} ps[m][i] * v_i[d0 ..] for NQ queries, the accumulators
+// in registers; each value vector is loaded once for the NQ queries. Per output element the
+// same FMA sequence whatever NQ is (a query whose own keys end before n has p = 0 there:
+// adding 0 * v leaves its sum bitwise as it was, and the sum never holds -0).
+INLINE void weighted_sums(const void *const *vp, const float *const *ps, int n, int64_t d0,
+                          float *const *os, const int NQ, const int NV, const int BF) {
+    __m256 acc[QV][8];
+    for (int m = 0; m < NQ; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm256_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        __m256 pb[QV];
+        for (int m = 0; m < NQ; m++) pb[m] = _mm256_set1_ps(ps[m][i]);
+        for (int v = 0; v < NV; v++) {
+            const __m256 x = load_kv(vp[i], d0 + v * 8, BF);
+            for (int m = 0; m < NQ; m++) acc[m][v] = _mm256_fmadd_ps(pb[m], x, acc[m][v]);
+        }
+    }
+    for (int m = 0; m < NQ; m++)
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(os[m] + d0 + v * 8, acc[m][v]);
+}
+
+// call(NQ) with NQ = nq as a compile-time constant (1 .. maxq, maxq <= 3).
+#define BY_NQ(call, nq, maxq)                          \
+    do {                                               \
+        if ((nq) == (maxq)) call(maxq);                \
+        else if ((nq) == 1) call(1);                   \
+        else if ((maxq) > 2 && (nq) == 2) call(2);     \
+    } while (0)
+
+// The partials of keys j0 .. j0+n_row[r]-1 for rows r = 0 .. R-1 of a group (consecutive
+// positions of one sequence: n_row[r] <= CHUNK, not decreasing) and the G heads of KV head g:
+// parts[r] + h * (D + 2) holds m, l, o[D]. The chunk's keys and values are read once per QB /
+// QV query vectors instead of once per (row, head). Each row's partial is bitwise what this
+// gives for that row alone (R = 1): the passes do the same arithmetic per query, and keys
+// past a row's own are masked out of its sums. scratch: chunk_scratch_bytes(G).
+INLINE void chunk_partials_t(const attn_t *a, const float *q, int64_t q_stride, int R,
+                             const int *n_row, const int32_t *table, int64_t g, int64_t j0,
+                             float *const *parts, void *scratch, const int BF) {
+    const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1];
     const void **kp = (const void **)scratch, **vp = kp + CHUNK;
-    float *p = (float *)(vp + CHUNK);
+    const float **qs = (const float **)(vp + CHUNK);  // query m: row m / G, head g * G + m % G
+    float **ps = (float **)(qs + M), **os = ps + M;
+    float *p = (float *)(os + M);  // [M][CHUNK]: scores, then exponentials
     const int64_t row = (int64_t)a->KVH * D;  // elements per cache slot
     const int64_t esize = BF ? 2 : 4;
     int64_t blk = j0 / a->block_size, off = j0 % a->block_size;  // no division per key
@@ -73,62 +130,75 @@ INLINE void chunk_partial_t(const attn_t *a, const float *q, const int32_t *tabl
         if (++off == a->block_size) off = 0, blk++;
     }
     for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = kp[n - 1];  // padding lanes: masked below
+    for (int m = 0; m < M; m++) {
+        qs[m] = q + (m / G) * q_stride + (g * G + m % G) * D;
+        ps[m] = p + (int64_t)m * CHUNK;
+        os[m] = parts[m / G] + (m % G) * (D + 2) + 2;
+    }
     const __m256 scale = _mm256_set1_ps(a->scale);
-    // The last key group's real lanes (the padding lanes count for nothing).
-    const int last = (n - 1) / 8 * 8;
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-        _mm256_set1_epi32(n - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    // Per head: scores, then exponentials, then the weighted sum of the values; all heads'
-    // scores first and all weighted sums last, so the chunk's keys, then its values, stay in
-    // L1 across the G heads (the values are not fetched between two heads' key passes).
-    for (int h = 0; h < G; h++) {
-        const float *qh = q + (g * G + h) * D;
-        float *ph = p + h * CHUNK;
+    // Scores of every query against every key some row of the group sees. The first query
+    // alone: its pass streams the keys in from memory, its loads not held back by other
+    // queries' FMAs (1-3 rows: ~1.1x); the rest QB at a time from cache.
+    for (int i0 = 0; i0 < n; i0 += 8) scores8(kp, i0, qs, D, scale, ps, 1, BF);
+    for (int i0 = 0; i0 < n; i0 += 8)
+        for (int m0 = 1; m0 < M; m0 += QB) {
+#define SCORES(NQ) scores8(kp, i0, qs + m0, D, scale, ps + m0, NQ, BF)
+            BY_NQ(SCORES, M - m0 < QB ? M - m0 : QB, QB);
+#undef SCORES
+        }
+    // Per query, over its own keys: the maximum, exp(s - m) and their sum; zeros after them
+    // up to n, so that a value pass may run to n for every query it serves.
+    for (int m = 0; m < M; m++) {
+        const int nr = n_row[m / G], last = (nr - 1) / 8 * 8;
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32(nr - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        float *ph = ps[m], *out = parts[m / G] + (m % G) * (D + 2);
         __m256 mx = _mm256_set1_ps(-INFINITY);
-        for (int i0 = 0; i0 < n; i0 += 8) {
-            __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            for (int d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                for (int i = 0; i < 8; i++)
-                    acc[i] = _mm256_fmadd_ps(qv, load_kv(kp[i0 + i], d, BF), acc[i]);
-            }
-            __m256 s = _mm256_mul_ps(hsum8x8(acc), scale);
+        for (int i0 = 0; i0 < nr; i0 += 8) {
+            __m256 s = _mm256_loadu_ps(ph + i0);
             if (i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
-            _mm256_storeu_ps(ph + i0, s);
             mx = _mm256_max_ps(mx, s);
         }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        part[h * (D + 2)] = _mm_cvtss_f32(m4);
-    }
-    for (int h = 0; h < G; h++) {
-        float *ph = p + h * CHUNK, *out = part + h * (D + 2);
+        out[0] = _mm_cvtss_f32(m4);
         const __m256 mv = _mm256_set1_ps(out[0]);
         __m256 sum = _mm256_setzero_ps();
-        for (int i0 = 0; i0 < n; i0 += 8) {
+        for (int i0 = 0; i0 < nr; i0 += 8) {
             __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
             if (i0 == last) e = _mm256_and_ps(e, keep);
             _mm256_storeu_ps(ph + i0, e);
             sum = _mm256_add_ps(sum, e);
         }
+        for (int i = last + 8; i < n; i++) ph[i] = 0.0f;
         out[1] = hsum8(sum);
     }
-    for (int h = 0; h < G; h++) {
-        const float *ph = p + h * CHUNK;
-        float *out = part + h * (D + 2);
+    // The weighted sums of the values: the first query alone, as above, then QV at a time.
+    for (int m0 = 0; m0 < M; m0 += m0 ? QV : 1) {
+        const int nq = m0 == 0 ? 1 : M - m0 < QV ? M - m0 : QV;
+        const int nm = n_row[(m0 + nq - 1) / G];  // the last query's keys: the most
+        const float *const *pq = (const float *const *)ps + m0;
         int64_t d0 = 0;
-        for (; d0 + 64 <= D; d0 += 64) weighted_sum(vp, ph, n, d0, 8, out + 2 + d0, BF);
-        for (; d0 + 32 <= D; d0 += 32) weighted_sum(vp, ph, n, d0, 4, out + 2 + d0, BF);
-        for (; d0 < D; d0 += 8) weighted_sum(vp, ph, n, d0, 1, out + 2 + d0, BF);
+#define WSUM(NQ) weighted_sums(vp, pq, nm, d0, os + m0, NQ, NV, BF)
+#define NV 8
+        for (; d0 + 64 <= D; d0 += 64) BY_NQ(WSUM, nq, QV);
+#undef NV
+#define NV 4
+        for (; d0 + 32 <= D; d0 += 32) BY_NQ(WSUM, nq, QV);
+#undef NV
+#define NV 1
+        for (; d0 < D; d0 += 8) BY_NQ(WSUM, nq, QV);
+#undef NV
+#undef WSUM
     }
 }
 
-static void chunk_partial(const attn_t *a, const float *q, const int32_t *table, int64_t g,
-                          int64_t j0, int n, float *part, void *scratch) {
-    if (a->bf16) chunk_partial_t(a, q, table, g, j0, n, part, scratch, 1);
-    else chunk_partial_t(a, q, table, g, j0, n, part, scratch, 0);
+static void chunk_partials(const attn_t *a, const float *q, int64_t q_stride, int R,
+                           const int *n_row, const int32_t *table, int64_t g, int64_t j0,
+                           float *const *parts, void *scratch) {
+    if (a->bf16) chunk_partials_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, 1);
+    else chunk_partials_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, 0);
 }
 
 // The chunks' partials of one (row, KV head), in order, into its G output heads.
@@ -165,18 +235,30 @@ static void *get_scratch(int64_t bytes) {
     return scratch;
 }
 
+// chunk_partials' scratch for up to GROUP rows: the key and value pointers, three pointers
+// per query vector, and the queries' scores.
 static int64_t chunk_scratch_bytes(int G) {
-    return 2 * CHUNK * (int64_t)sizeof(float *) + (int64_t)G * CHUNK * sizeof(float);
+    const int64_t M = (int64_t)GROUP * G;
+    return (2 * CHUNK + 3 * M) * (int64_t)sizeof(void *) + M * CHUNK * (int64_t)sizeof(float);
 }
 
-#define GROUP 8  // consecutive rows of one sequence that share each chunk's key/value reads
 
-// Row t's partial of chunk c (keys c*CHUNK .. min(pos, c*CHUNK + CHUNK - 1)).
-static void row_chunk(const attn_t *a, const float *q, int64_t q_stride, int64_t t, int64_t pos,
-                      const int32_t *table, int64_t g, int64_t c, float *part, void *sc) {
-    const int64_t j0 = c * CHUNK, n = pos + 1 - j0 < CHUNK ? pos + 1 - j0 : CHUNK;
-    chunk_partial(a, q + t * q_stride, table, g, j0, (int)n, part, sc);
-}
+// Chunk c's partials for the rows of group t0 .. t1-1 that reach it (pos[t]: row t's last
+// key, increasing within a group, so they are its last rows); row t's goes to part_of(t).
+#define GROUP_CHUNK(part_of)                                                                \
+    do {                                                                                    \
+        const int64_t j0_ = c * CHUNK;                                                      \
+        int64_t ta_ = t0;                                                                   \
+        while (pos[ta_] < j0_) ta_++;                                                       \
+        int n_[GROUP];                                                                      \
+        float *pp_[GROUP];                                                                  \
+        for (int64_t t = ta_; t < t1; t++) {                                                \
+            n_[t - ta_] = pos[t] + 1 - j0_ < CHUNK ? (int)(pos[t] + 1 - j0_) : CHUNK;       \
+            pp_[t - ta_] = (part_of);                                                       \
+        }                                                                                   \
+        chunk_partials(&a, q + ta_ * q_stride, q_stride, (int)(t1 - ta_), n_, table, g, j0_, \
+                       pp_, sc);                                                            \
+    } while (0)
 
 // The entry points' body (paged_attention, paged_attention_bf16 below; ctypes). block_tables:
 // int32 [num_seqs, max_blocks]; seq_of_token: int64 [T]. Requires D % 8 == 0. Returns 0, or
@@ -228,10 +310,7 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
             }
             float *parts = (float *)(sc + chunk_scratch_bytes(G));
             const int32_t *table = block_tables + seq_of_token[t0] * max_blocks;
-            for (int64_t c = 0; c < ncm; c++)
-                for (int64_t t = t0; t < t1; t++)
-                    if (c <= pos[t] / CHUNK)
-                        row_chunk(&a, q, q_stride, t, pos[t], table, g, c, parts + ((t - t0) * ncm + c) * pf, sc);
+            for (int64_t c = 0; c < ncm; c++) GROUP_CHUNK(parts + ((t - t0) * ncm + c) * pf);
             for (int64_t t = t0; t < t1; t++)
                 combine(parts + (t - t0) * ncm * pf, first[t + 1] - first[t], G, D, out + t * H * D + g * G * D);
         }
@@ -256,11 +335,8 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
             while (gfirst[i + 1] <= gc) i++;
             const int64_t c = gc - gfirst[i];
             const int32_t *table = block_tables + seq_of_token[grp[i]] * max_blocks;
-            for (int64_t t = grp[i]; t < grp[i + 1]; t++) {
-                const int64_t nc = first[t + 1] - first[t];
-                if (c < nc)
-                    row_chunk(&a, q, q_stride, t, pos[t], table, g, c, parts + (first[t] * KVH + g * nc + c) * pf, sc);
-            }
+            const int64_t t0 = grp[i], t1 = grp[i + 1];
+            GROUP_CHUNK(parts + (first[t] * KVH + g * (first[t + 1] - first[t]) + c) * pf);
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < T * KVH; it++) {

@@ -341,23 +341,17 @@ def test_each_row_of_a_run_is_bitwise_that_row_alone_at_every_isa_level(kv_dtype
     kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     levels = build.usable_levels()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        libs = list(pool.map(lambda lv: ctypes.CDLL(str(build.built("attention", lv))), levels))
-    table = torch.tensor(tables, dtype=torch.int32)
+        paths = list(pool.map(lambda lv: build.built("attention", lv), levels))
+    libs = [attention_kernel.typed(ctypes.CDLL(str(path))) for path in paths]
 
     def attend(lib, rows: torch.Tensor, last: int) -> torch.Tensor:
         """rows [n, heads, dim]: one sequence's queries at positions last-n+1 .. last."""
         n = rows.shape[0]
-        fn = lib.paged_attention_bf16 if kv_dtype == torch.bfloat16 else lib.paged_attention
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
-                       ctypes.c_float, p, i32]  # fmt: skip
-        out = torch.empty(n, heads, dim)
-        qsl, lens = torch.tensor([0, n]), torch.tensor([last + 1])
-        sot = torch.zeros(n, dtype=torch.int64)
-        assert fn(rows.data_ptr(), rows.stride(0), kc.data_ptr(), vc.data_ptr(), bs, heads,
-                  kv_heads, dim, qsl.data_ptr(), lens.data_ptr(), sot.data_ptr(), n,
-                  table.data_ptr(), table.shape[1], dim**-0.5, out.data_ptr(), 2) == 0  # fmt: skip
-        return out
+        return attention_kernel.paged_attention(
+            rows, kc, vc, torch.tensor([0, n]), torch.tensor([last + 1]),
+            torch.zeros(n, dtype=torch.int64), torch.tensor(tables, dtype=torch.int32),
+            dim**-0.5, lib=lib,
+        )  # fmt: skip
 
     together = attend(libs[0], q, seq_len - 1)
     want = reference_paged_attention(q, kc.float(), vc.float(), [run], [seq_len], tables,

@@ -19,16 +19,20 @@ import torch
 from tinyserve.kernels.build import kernel_threads, load
 
 
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (an attention.c build) with its entry points' signatures declared."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for f in (lib.paged_attention, lib.paged_attention_bf16):
+        f.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
+                      ctypes.c_float, p, i32]  # fmt: skip
+        f.restype = ctypes.c_int
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     lib = load("attention")
-    if lib is not None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for f in (lib.paged_attention, lib.paged_attention_bf16):
-            f.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
-                          ctypes.c_float, p, i32]  # fmt: skip
-            f.restype = ctypes.c_int
-    return lib
+    return None if lib is None else typed(lib)
 
 
 def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -46,13 +50,14 @@ def paged_attention(
     seq_of_token: torch.Tensor,  # int64 [num_tokens]
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
     scale: float,
+    lib: ctypes.CDLL | None = None,  # another build (typed(); e.g. another ISA level)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     if num_tokens == 0:
         return out
-    lib = library()
+    lib = lib or library()
     fn = lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_attention
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size,

@@ -47,7 +47,8 @@ def test_bf16_kernel_equals_its_reference_and_is_batch_invariant(qtype):
     assert err.max() > 1e-4 * exact.abs().max()  # the rounding is real: not the float kernel
     # Few-row tiles (codes converted in registers), panel tiles (through the buffer), row
     # counts across one and several panels, 1 and 2 threads: the same bits per row.
-    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 24, 25, 64, 129, 300):  # few-row tiles up to 24
+    # 7-12 rows: one wide tile of 1 group (gemm_bf16.h, bf16_rows).
+    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 24, 25, 64, 129, 300):  # few-row: <= 24
         for threads in (1, 2):
             got = gemm.matmul(x[:rows], w, num_threads=threads, bf16=True)
             assert torch.equal(got, full[:rows]), (rows, threads)

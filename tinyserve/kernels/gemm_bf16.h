@@ -78,12 +78,13 @@ static void bf16_activations(const float *x, int64_t ldx, int M, int64_t K, int 
 
 // MT rows (from row r0 of the activations) x NT groups (from g0): the pairs converted from
 // the codes (buf NULL: few rows) or read from buf [NT, K/2, GW] (converted once per panel).
-// The sums T stay in registers: 6 x 2 x (S, T) + 2 weight vectors + a broadcast fit in 32.
+// The sums T stay in registers: 6 x 2 or 12 x 1 x (S, T) + the weight vectors + a broadcast
+// fit in 32.
 INLINE void tile_bf16(const weight_t *w, int64_t g0, const int NT, int prefetch,
                       const uint32_t *buf, const act_t *a, int r0, const int MT, float *y,
                       int64_t ldy) {
     const int64_t nb = w->nb, half = w->K / 2;
-    vf T[6][2], S[6][2];
+    vf T[12][2], S[12][2];  // MT x NT <= 12: up to 6 x 2, or 7-12 x 1
     for (int r = 0; r < MT; r++)
         for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
@@ -111,24 +112,34 @@ INLINE void tile_bf16(const weight_t *w, int64_t g0, const int NT, int prefetch,
         for (int i = 0; i < NT; i++) VSTORE(y + (int64_t)(r0 + r) * ldy + i * GW, T[r][i]);
 }
 
-// One (rows, groups) tile with both counts fixed at compile time.
+// One (rows, groups) tile with both counts fixed at compile time: up to 6 rows x NT groups,
+// or 7-12 rows x 1 group.
 INLINE void tile_bf16_any(const weight_t *w, int64_t g, int NT, int prefetch, const uint32_t *buf,
                           const act_t *a, int r0, int MT, float *y, int64_t ldy) {
 #define BF16_CASE(M_)                                                                        \
     case M_:                                                                                 \
         if (NT == 2) tile_bf16(w, g, 2, prefetch, buf, a, r0, M_, y, ldy);                  \
-        else tile_bf16(w, g, 1, 0, buf, a, r0, M_, y, ldy);                                 \
+        else tile_bf16(w, g, 1, prefetch, buf, a, r0, M_, y, ldy);                          \
+        break;
+#define BF16_WIDE(M_)                                                                        \
+    case M_:                                                                                 \
+        tile_bf16(w, g, 1, prefetch, buf, a, r0, M_, y, ldy);                               \
         break;
     switch (MT) {
         BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6)
+        BF16_WIDE(7) BF16_WIDE(8) BF16_WIDE(9) BF16_WIDE(10) BF16_WIDE(11) BF16_WIDE(12)
         default: break;
     }
+#undef BF16_WIDE
 #undef BF16_CASE
 }
 
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output); buf: this thread's
-// scratch, >= K x GW pairs. Up to BF16_FEW_ROWS rows: each row tile (<= 6 rows) converts
-// the codes in registers; more: converted once per panel into buf.
+// scratch, >= K x GW pairs. Up to BF16_FEW_ROWS rows: each row tile converts the codes in
+// registers; more: converted once per panel into buf. 7-12 rows (a verification run of 6-11
+// drafts, a small decode batch) are one tile of 1 group rather than two of 2: each converted
+// pair vector serves every row, and the step from 6 to 7 rows costs a row, not a second pass
+// (Zen 4: 7 rows 1.21x, 8-10 1.09-1.12x, 12 1.04x; 13-24 as 12 x 1 tiles: 0.96-1.10x, kept).
 static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y, int64_t ldy,
                       int64_t g0, int64_t g1) {
     const int M = a->M;
@@ -136,15 +147,16 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
     const int few = M <= BF16_FEW_ROWS;
     for (int p0 = 0; p0 < M; p0 += PANEL) {
         const int pm = M - p0 < PANEL ? M - p0 : PANEL;
-        const int tiles = (pm + 5) / 6, mt = (pm + tiles - 1) / tiles;  // balanced row tiles
+        const int wide = few && pm > 6 && pm <= 12;  // one tile of pm rows x 1 group
+        const int tiles = wide ? 1 : (pm + 5) / 6, mt = (pm + tiles - 1) / tiles;  // balanced
         for (int64_t g = g0; g < g1;) {
-            const int NG = g + 2 <= g1 ? 2 : 1;
+            const int NG = !wide && g + 2 <= g1 ? 2 : 1;
             if (!few)
                 for (int i = 0; i < NG; i++)
                     for (int64_t b = 0; b < w->nb; b++)
                         for (int p = 0; p < 16; p++)
                             _mm512_store_si512(buf + ((int64_t)i * half + b * 16 + p) * GW, code_pairs(w, g + i, b, p));
-            const int prefetch = few && NG == 2 && g + (PF_TILES + 1) * 2 <= g1;
+            const int prefetch = few && (NG == 2 || wide) && g + (PF_TILES + 1) * NG <= g1;
             for (int r = p0; r < p0 + pm; r += mt) {
                 const int rows = p0 + pm - r < mt ? p0 + pm - r : mt;
                 tile_bf16_any(w, g, NG, prefetch && r == p0, few ? NULL : buf, a, r, rows,

@@ -139,7 +139,8 @@ INLINE void tile_bf16_any(const weight_t *w, int64_t g, int NT, int prefetch, co
 // registers; more: converted once per panel into buf. 7-12 rows (a verification run of 6-11
 // drafts, a small decode batch) are one tile of 1 group rather than two of 2: each converted
 // pair vector serves every row, and the step from 6 to 7 rows costs a row, not a second pass
-// (Zen 4: 7 rows 1.21x, 8-10 1.09-1.12x, 12 1.04x; 13-24 as 12 x 1 tiles: 0.96-1.10x, kept).
+// (Zen 4, min ms: 7 rows 1.20x, 8-10 1.10-1.11x, 12 1.02x; 13-24 as 12 x 1 tiles 0.96-1.10x:
+// not taken).
 static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y, int64_t ldy,
                       int64_t g0, int64_t g1) {
     const int M = a->M;

@@ -118,19 +118,14 @@ INLINE void tile_bf16_any(const weight_t *w, int64_t g, int NT, int prefetch, co
                           const act_t *a, int r0, int MT, float *y, int64_t ldy) {
 #define BF16_CASE(M_)                                                                        \
     case M_:                                                                                 \
-        if (NT == 2) tile_bf16(w, g, 2, prefetch, buf, a, r0, M_, y, ldy);                  \
+        if (M_ <= 6 && NT == 2) tile_bf16(w, g, 2, prefetch, buf, a, r0, M_, y, ldy);       \
         else tile_bf16(w, g, 1, prefetch, buf, a, r0, M_, y, ldy);                          \
         break;
-#define BF16_WIDE(M_)                                                                        \
-    case M_:                                                                                 \
-        tile_bf16(w, g, 1, prefetch, buf, a, r0, M_, y, ldy);                               \
-        break;
-    switch (MT) {
+    switch (MT) {  // M_ > 6: 1 group only (no 7-12 x 2 tile is compiled)
         BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6)
-        BF16_WIDE(7) BF16_WIDE(8) BF16_WIDE(9) BF16_WIDE(10) BF16_WIDE(11) BF16_WIDE(12)
+        BF16_CASE(7) BF16_CASE(8) BF16_CASE(9) BF16_CASE(10) BF16_CASE(11) BF16_CASE(12)
         default: break;
     }
-#undef BF16_WIDE
 #undef BF16_CASE
 }
 

@@ -16,8 +16,15 @@ server's pool is, so a sequence's blocks lie scattered (a fresh pool hands them 
 Each row of the JSON holds both engines under their labels and ``speedup``: the first's
 step time over the second's.
 
+``--compare attention-rev --baseline-rev REV``: both engines fp32 with this tree's kernels,
+but the first's fused step calls attention.c as it was at REV (built from ``git show``): a
+change to the attention kernel measured in whole decode steps, where the weights streamed
+between two layers leave the layer's keys and values cold (a kernel microbenchmark keeps
+them hot in L3).
+
 python benchmarks/bench_kv_dtype.py [--batch-sizes 1,8,32] [--contexts 256,1000] [--steps 16]
-    [--compare kv-dtype|huge-pages] [--fragment] [--out benchmarks/results/kv_dtype.json]
+    [--compare kv-dtype|huge-pages|attention-rev] [--baseline-rev HEAD] [--fragment]
+    [--out benchmarks/results/kv_dtype.json]
 """
 
 from __future__ import annotations
@@ -45,7 +52,25 @@ ENGINES = {
     "kv-dtype": {"float32": ({"kv_cache_dtype": "auto"}, None),
                  "bfloat16": ({"kv_cache_dtype": "bfloat16"}, None)},
     "huge-pages": {"4k_pages": ({}, "0"), "huge_pages": ({}, "1")},
+    "attention-rev": {"baseline_attention": ({}, None), "this_tree": ({}, None)},
 }  # fmt: skip
+
+
+def use_attention_at(engine: LLMEngine, rev: str) -> None:
+    """Point ``engine``'s fused step at attention.c as it was at ``rev`` (float32 cache)."""
+    import ctypes
+    import tempfile
+
+    import torch
+    from bench_kernels import build, sources_at
+
+    src = sources_at(rev, Path(tempfile.mkdtemp()) / "src")
+    fn = ctypes.cast(build(src, "attention", None).paged_attention, ctypes.c_void_p).value
+    plan = engine.executor.runner.model.model.step_plan
+    if plan is None:
+        sys.exit("--compare attention-rev needs the fused C step (the CPU kernels)")
+    plan._cache_fns[torch.float32] = (plan._cache_fns[torch.float32][0], fn)
+    plan._struct.paged_attention = fn
 
 
 def engines(args) -> dict[str, LLMEngine]:
@@ -58,6 +83,8 @@ def engines(args) -> dict[str, LLMEngine]:
             os.environ["TINYSERVE_HUGE_PAGES"] = huge
         engs[label] = LLMEngine(EngineArgs(**common, **kw))
         os.environ.pop("TINYSERVE_HUGE_PAGES", None)
+    if args.compare == "attention-rev":
+        use_attention_at(engs["baseline_attention"], args.baseline_rev)
     if args.fragment:
         for e in engs.values():
             manager = e.core.kv_cache_manager
@@ -113,7 +140,8 @@ def main() -> int:
     p.add_argument("--contexts", default="256,1000")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="3GiB")
-    p.add_argument("--compare", choices=["kv-dtype", "huge-pages"], default="kv-dtype")
+    p.add_argument("--compare", choices=list(ENGINES), default="kv-dtype")
+    p.add_argument("--baseline-rev", default="HEAD", help="attention-rev: the baseline's revision")
     p.add_argument("--fragment", action="store_true", help="shuffle the free block queues first")
     p.add_argument("--out", default="benchmarks/results/kv_dtype.json")
     args = p.parse_args()
@@ -128,6 +156,7 @@ def main() -> int:
                   f"({a['tok_s']:6.1f} tok/s)  {second} {b['step_ms']:7.2f} ms ({b['tok_s']:6.1f} "
                   f"tok/s)  x{row['speedup']:.2f}", flush=True)  # fmt: skip
     result = {"machine": machine_info(), "steps": args.steps, "compare": args.compare,
+              "baseline_rev": args.baseline_rev if args.compare == "attention-rev" else None,
               "fragment": args.fragment, "rows": rows,
               "kv_blocks": {d: e.executor.num_blocks for d, e in engs.items()}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -60,10 +60,11 @@ def build(src_dir: Path, name: str, level: str | None) -> ctypes.CDLL:
 
 def sources_at(rev: str, dest: Path) -> Path:
     dest.mkdir(parents=True)
-    for name in ("gemm.c", "qgemm.c", "attention.c", "simd.h", "gemm_bf16.h"):
+    optional = ("gemm_bf16.h", "attention_chunk.h")  # headers older revisions lack
+    for name in ("gemm.c", "qgemm.c", "attention.c", "simd.h", *optional):
         shown = subprocess.run(["git", "show", f"{rev}:{KDIR}/{name}"], cwd=ROOT,
                                capture_output=True, text=True)  # fmt: skip
-        if shown.returncode and name != "gemm_bf16.h":  # older revisions have no bf16 header
+        if shown.returncode and name not in optional:
             raise RuntimeError(f"git show {rev}:{KDIR}/{name}: {shown.stderr.strip()}")
         if not shown.returncode:
             (dest / name).write_text(shown.stdout)

@@ -14,8 +14,6 @@ from tinyserve.testing.checkpoints import llama_config
 from tinyserve.worker import kv_cache
 from tinyserve.worker.kv_cache import advise_huge_pages, allocate_kv_cache
 
-advise = advise_huge_pages  # the real one, as kv_cache.advise_huge_pages may be patched
-
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -72,7 +70,7 @@ def test_a_big_cache_is_advised_into_huge_pages(monkeypatch):
     # other tests malloc may hand out part of an old heap region that was advised before.)
     monkeypatch.setenv("TINYSERVE_HUGE_PAGES", "0")
     taken = []
-    monkeypatch.setattr(kv_cache, "advise_huge_pages", lambda t: taken.append(advise(t)))
+    monkeypatch.setattr(kv_cache, "advise_huge_pages", lambda t: taken.append(advise_huge_pages(t)))
     allocate_kv_cache(Shape, 256, 16, torch.float32)
     assert taken == [False]
 

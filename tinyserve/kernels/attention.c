@@ -65,10 +65,15 @@ static int64_t chunk_scratch_bytes(int G) {
 }
 
 
-// Keys of chunk c that group i's rows see (those of its last, longest row), at most CHUNK.
-static inline int chunk_keys(const int64_t *pos, const int64_t *grp, int64_t i, int64_t c) {
+// Chunk c of group i and KV head g as next_t (its keys: those of the group's last, longest
+// row, at most CHUNK): what a thread prefetches while computing the chunk before it.
+static inline next_t chunk_of(const int32_t *block_tables, int64_t max_blocks,
+                              const int64_t *seq_of_token, const int64_t *grp,
+                              const int64_t *pos, int64_t i, int64_t c, int64_t g) {
     const int64_t left = pos[grp[i + 1] - 1] + 1 - c * CHUNK;
-    return left < CHUNK ? (int)left : CHUNK;
+    const next_t nx = {block_tables + seq_of_token[grp[i]] * max_blocks, g, c * CHUNK,
+                       left < CHUNK ? (int)left : CHUNK};
+    return nx;
 }
 
 // Chunk c's partials for the rows of group t0 .. t1-1 that reach it (pos[t]: row t's last
@@ -99,8 +104,8 @@ static inline int chunk_keys(const int64_t *pos, const int64_t *grp, int64_t i, 
 // Either way a thread claims its next item before computing this one and prefetches the
 // next chunk's keys and values into L2 meanwhile (next_t): a decode step's attention had
 // waited on memory for every chunk, since a layer's cache lines are evicted by the weights
-// streamed between two layers (whole decode steps 1.13x at one sequence, 1.55x at 16-32,
-// 600 tokens, Zen 4).
+// streamed between two layers (whole decode steps at 600 tokens 1.10x at one sequence,
+// 1.31-1.40x at 8-32; at 1500 up to 1.76x; Zen 4, benchmarks/README.md).
 static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                          const void *v_cache, int bf16, int block_size, int H, int KVH, int D,
                          const int64_t *query_start_loc, const int64_t *seq_lens,
@@ -131,6 +136,8 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
         gfirst[i + 1] = gfirst[i] + last / CHUNK + 1;
     }
     int failed = 0;
+    const next_t none = {NULL, 0, 0, 0};
+#define CHUNK_OF(i, c, g) chunk_of(block_tables, max_blocks, seq_of_token, grp, pos, i, c, g)
     if (ng * KVH >= 8 * (int64_t)nthreads) {
         int64_t claimed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -151,12 +158,9 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                 float *parts = (float *)(sc + chunk_scratch_bytes(G));
                 const int32_t *table = block_tables + seq_of_token[t0] * max_blocks;
                 for (int64_t c = 0; c < ncm; c++) {
-                    next_t nx = {table, g, (c + 1) * CHUNK, 0};
-                    if (c + 1 < ncm) nx.n = chunk_keys(pos, grp, i, c + 1);
-                    else if (it2 < ng * KVH) {
-                        nx.table = block_tables + seq_of_token[grp[it2 / KVH]] * max_blocks;
-                        nx.g = it2 % KVH, nx.j0 = 0, nx.n = chunk_keys(pos, grp, it2 / KVH, 0);
-                    }
+                    const next_t nx = c + 1 < ncm       ? CHUNK_OF(i, c + 1, g)
+                                      : it2 < ng * KVH ? CHUNK_OF(it2 / KVH, 0, it2 % KVH)
+                                                       : none;
                     GROUP_CHUNK(parts + ((t - t0) * ncm + c) * pf, &nx);
                 }
                 for (int64_t t = t0; t < t1; t++)
@@ -184,26 +188,20 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
         // already claimed its next one, and prefetches that item's keys and values while it
         // computes this one (next_t). As dynamic as schedule(dynamic, 1): a thread the host
         // delays holds back at most one item.
-        int64_t it = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        // A thread's claims increase, so its group index only moves forward (i, then i2).
+        int64_t it = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), i = 0;
         while (it < items && sc != NULL) {
             const int64_t it2 = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             const int64_t gc = it / KVH, g = it % KVH;
-            int64_t i = 0;
             while (gfirst[i + 1] <= gc) i++;
+            int64_t i2 = i;
+            while (it2 < items && gfirst[i2 + 1] <= it2 / KVH) i2++;
             const int64_t c = gc - gfirst[i];
             const int32_t *table = block_tables + seq_of_token[grp[i]] * max_blocks;
             const int64_t t0 = grp[i], t1 = grp[i + 1];
-            next_t nx = {NULL, 0, 0, 0};
-            if (it2 < items) {
-                const int64_t gc2 = it2 / KVH;
-                int64_t i2 = 0;
-                while (gfirst[i2 + 1] <= gc2) i2++;
-                nx.table = block_tables + seq_of_token[grp[i2]] * max_blocks;
-                nx.g = it2 % KVH, nx.j0 = (gc2 - gfirst[i2]) * CHUNK;
-                nx.n = chunk_keys(pos, grp, i2, gc2 - gfirst[i2]);
-            }
+            const next_t nx = it2 < items ? CHUNK_OF(i2, it2 / KVH - gfirst[i2], it2 % KVH) : none;
             GROUP_CHUNK(parts + (first[t] * KVH + g * (first[t + 1] - first[t]) + c) * pf, &nx);
-            it = it2;
+            it = it2, i = i2;
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -215,6 +213,7 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
     free(parts);
     free(buf);
     return failed ? -1 : 0;
+#undef CHUNK_OF
 }
 
 int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,

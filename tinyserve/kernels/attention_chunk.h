@@ -119,11 +119,10 @@ INLINE void slot_ptrs(const attn_t *a, const int32_t *table, int64_t g, int64_t 
 INLINE void prefetch_next(const void *const *nkp, const void *const *nvp, int n, int lpr,
                           int *at, int count) {
     const int half = n * lpr, end = *at + count < 2 * half ? *at + count : 2 * half;
-    for (int l = *at; l < end; l++) {
-        const int j = (l < half ? l : l - half) / lpr, w = (l < half ? l : l - half) % lpr;
-        _mm_prefetch((const char *)(l < half ? nkp : nvp)[j] + 64 * w, _MM_HINT_T1);
+    for (; *at < end; ++*at) {
+        const int l = *at < half ? *at : *at - half;  // line l % lpr of key l / lpr
+        _mm_prefetch((const char *)(*at < half ? nkp : nvp)[l / lpr] + 64 * (l % lpr), _MM_HINT_T1);
     }
-    *at = end > *at ? end : *at;
 }
 
 // The partials of keys j0 .. j0+n_row[r]-1 for rows r = 0 .. R-1 of a group (consecutive

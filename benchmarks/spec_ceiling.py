@@ -9,6 +9,10 @@ step would yield:
 * ``ngram``: the proposer as configured (spec_decode/ngram.py);
 * ``ngram_k<k>_min<m>``: the same with other ``num_speculative_tokens`` /
   ``prompt_lookup_min``;
+* ``earliest`` / ``vote``: other ways to pick among the matches — the earliest
+  occurrence of the longest suffix instead of the latest; or token by token, the
+  continuation that most often followed the longest suffix (llama.cpp's n-gram-cache idea),
+  drafting past the end of one match; ``ngram_max<m>``: longer suffixes first;
 * ``oracle``: at every step, among *all* earlier occurrences of *every* suffix of length
   1..prompt_lookup_max, the one whose continuation matches the output longest, up to
   2 x ``num_speculative_tokens`` drafts: an upper bound on any proposer that copies from
@@ -39,6 +43,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,6 +64,35 @@ def accepted(proposal: list[int], out: list[int], i: int) -> int:
     while n < len(proposal) and i + n < len(out) and proposal[n] == out[i + n]:
         n += 1
     return n
+
+
+def propose_earliest(ctx: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The continuation of the earliest occurrence of the longest suffix (lo..hi tokens)."""
+    n = len(ctx)
+    for size in range(min(hi, n - 1), lo - 1, -1):
+        for s in range(n - size):
+            if ctx[s : s + size] == ctx[n - size :]:
+                return ctx[s + size : s + size + k]
+    return []
+
+
+def propose_vote(ctx: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """Token by token: the most frequent continuation of the longest suffix that occurred
+    before (ties: the latest), appended and searched again."""
+    c, drafts = list(ctx), []
+    while len(drafts) < k:
+        n, votes = len(c), Counter()
+        for size in range(min(hi, n - 1), lo - 1, -1):
+            for s in range(n - size):
+                if c[s : s + size] == c[n - size :]:
+                    votes[c[s + size]] += 1 + s / n  # the latest wins a tie
+            if votes:
+                break
+        if not votes:
+            break
+        drafts.append(max(votes, key=votes.__getitem__))
+        c.append(drafts[-1])
+    return drafts
 
 
 def oracle_proposal(ctx: list[int], out: list[int], i: int, k: int, lookup_max: int) -> list[int]:
@@ -82,19 +116,21 @@ def replay(prompt: list[int], out: list[int], method: str, cfg: dict) -> list[tu
     k, lo, hi = cfg["num_speculative_tokens"], cfg["prompt_lookup_min"], cfg["prompt_lookup_max"]
     steps, i = [], 1
     while i < len(out):
-        room = min(k if method == "ngram" else 2 * k, len(out) - i - 1)  # never past max_tokens
+        room = min(k if method != "oracle" else 2 * k, len(out) - i - 1)  # never past max_tokens
         ctx = prompt + out[:i]
-        p = (
-            []
-            if room < 1
-            else propose(ctx, room, lo, hi)
-            if method == "ngram"
-            else oracle_proposal(ctx, out, i, room, hi)
-        )
+        if room < 1:
+            p = []
+        elif method == "oracle":
+            p = oracle_proposal(ctx, out, i, room, hi)
+        else:
+            p = PROPOSERS[method](ctx, room, lo, hi)
         n = accepted(p, out, i)
         steps.append((len(p), n))
         i += n + 1
     return steps
+
+
+PROPOSERS = {"ngram": propose, "earliest": propose_earliest, "vote": propose_vote}
 
 
 def price(steps: list[tuple[int, int]], cost: StepCostModel, ttft: float, n: int) -> dict:
@@ -107,6 +143,17 @@ def price(steps: list[tuple[int, int]], cost: StepCostModel, ttft: float, n: int
         "bound_free_rows": plain / (ttft + len(steps) * t1),
         "full": plain / (ttft + sum(cost.estimate(1 + d) for d, _ in steps)),
     }
+
+
+def variants(cfg: dict) -> list[tuple[str, str, dict]]:
+    """(name, proposer, config) of every proposal scheme priced."""
+    out = [("ngram", "ngram", cfg), ("oracle", "oracle", cfg)]
+    out += [(f"ngram_max{m}", "ngram", dict(cfg, prompt_lookup_max=m)) for m in (8, 16)]
+    out += [("earliest", "earliest", cfg), ("vote", "vote", cfg)]
+    return out + [
+        (f"ngram_k{k}_min{lo}", "ngram", dict(cfg, num_speculative_tokens=k, prompt_lookup_min=lo))
+        for k, lo in GRID
+    ]
 
 
 def run_one(llm: LLM, req) -> dict:
@@ -169,14 +216,7 @@ def main() -> int:
             "off_s": a["total_s"],
             "on_s": b["total_s"],
         }
-        for name, method, c in [("ngram", "ngram", cfg), ("oracle", "oracle", cfg)] + [
-            (
-                f"ngram_k{k}_min{lo}",
-                "ngram",
-                dict(cfg, num_speculative_tokens=k, prompt_lookup_min=lo),
-            )
-            for k, lo in GRID
-        ]:
+        for name, method, c in variants(cfg):
             row[name] = price(replay(a["prompt"], a["output"], method, c), cost, a["ttft_s"], n)
         rows.append(row)
 
@@ -190,7 +230,7 @@ def main() -> int:
             str(k): round(cost.estimate(k) * 1e3, 3) for k in cost.measured_rows if k <= 16
         },
     }
-    methods = ["ngram", "oracle"] + [f"ngram_k{k}_min{lo}" for k, lo in GRID]
+    methods = [name for name, _, _ in variants(cfg)]
     for method in methods:
         for key in ("tokens_per_step", "bound", "bound_free_rows", "full"):
             summary[f"{method}_{key}"] = med(lambda r, m=method, k=key: r[m][k])

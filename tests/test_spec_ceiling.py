@@ -77,3 +77,32 @@ def test_pricing_orders_the_bounds(ceiling):
     assert ceiling.price([(0, 0)] * 9, cost, ttft=0.2, n=10)["bound_free_rows"] == pytest.approx(
         1.0
     )
+
+
+def test_earliest_and_vote_pick_other_matches_than_the_latest(ceiling):
+    from tinyserve.spec_decode.ngram import propose
+
+    # the suffix (1, 2) occurs three times before the end: continued by 3 (first), 4, 4
+    ctx = [1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 4, 5, 1, 2]
+    assert propose(ctx, 2, 2, 4) == [4, 5]  # the latest occurrence, at 8
+    assert ceiling.propose_earliest(ctx, 2, 2, 4) == [3, 0]
+    # vote: after (1, 2) the continuations are 3, 4, 4 -> 4; then the longest suffix with an
+    # earlier occurrence is (1, 2, 4) (at 4 and 8), continued by 0 and 5 once each: the
+    # tie goes to the later, 5
+    assert ceiling.propose_vote(ctx, 2, 2, 4) == [4, 5]
+    assert ceiling.propose_vote([7, 8, 9], 3, 2, 4) == []  # no earlier (8, 9)
+    assert ceiling.propose_earliest([7, 8, 9], 3, 2, 4) == []
+
+
+def test_vote_drafts_past_the_end_of_one_match(ceiling):
+    from tinyserve.spec_decode.ngram import propose
+
+    # (5, 6) occurred once, at 0: its continuation runs into the context's end after 3
+    # tokens. The vote searches again after each token it drafts, so it goes on: after
+    # 7 the suffix (5, 6, 7, 5) occurred at 0 (-> 6), then (6, 7, 5, 6) at 1 (-> 7).
+    ctx = [5, 6, 7, 5, 6]
+    assert propose(ctx, 4, 2, 4) == [7, 5, 6]
+    assert ceiling.propose_vote(ctx, 4, 2, 4) == [7, 5, 6, 7]
+    out = [6, 7, 5, 6, 7, 5]  # after the prompt [5, 6, 7, 5]; out[0] from the prefill
+    assert ceiling.replay([5, 6, 7, 5], out, "vote", CFG) == [(4, 4)]
+    assert ceiling.replay([5, 6, 7, 5], out, "ngram", CFG) == [(3, 3), (0, 0)]

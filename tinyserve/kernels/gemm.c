@@ -75,15 +75,17 @@ INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, f
 }
 
 // Prefetch block b of the NT groups at ga (codes, scales, minima) while an earlier tile
-// computes: memory-level parallelism the hardware prefetcher does not reach at one row.
-INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b) {
+// computes. L2: prefetcht1, for the memory-bound 1-2-row tiles (bf16: up to 6): a 1-row
+// step's matmuls 1.26-1.40x on Zen 4 (benchmarks/README.md; likely as an L1 prefetch holds
+// one of the few L1 miss buffers until its line arrives); more rows: prefetcht0, faster.
+INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b, const int L2) {
     const int64_t cb = (w->kind == 0 ? 16 : 32) * GW;  // code bytes of a group's block
     for (int i = 0; i < NT; i++) {
         const char *q = (const char *)w->qs + ((ga + i) * w->nb + b) * cb;
-        for (int64_t off = 0; off < cb; off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < cb; off += 64) prefetch_line(q + off, L2);
         if ((b * GW * 4) % 64 == 0) {  // a cache line of scales (and minima) per 64 bytes
-            _mm_prefetch((const char *)(w->d + ((ga + i) * w->nb + b) * GW), _MM_HINT_T0);
-            if (w->kind == 0) _mm_prefetch((const char *)(w->m + ((ga + i) * w->nb + b) * GW), _MM_HINT_T0);
+            prefetch_line(w->d + ((ga + i) * w->nb + b) * GW, L2);
+            if (w->kind == 0) prefetch_line(w->m + ((ga + i) * w->nb + b) * GW, L2);
         }
     }
 }
@@ -101,7 +103,7 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
     for (int r = 0; TREG && r < MT; r++)
         for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
-        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
+        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b, MT <= 2);
         vf S[8][4];
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) S[r][i] = VZERO();

@@ -88,7 +88,7 @@ INLINE void tile_bf16(const weight_t *w, int64_t g0, const int NT, int prefetch,
     for (int r = 0; r < MT; r++)
         for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
-        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b);
+        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b, MT <= 6);
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) S[r][i] = VZERO();
         for (int p = 0; p < 16; p++) {

@@ -64,6 +64,12 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(n));
 }
 
+// One cache line prefetched into L1 and L2 (prefetcht0) or, L2 set, into L2 only (prefetcht1).
+INLINE void prefetch_line(const void *a, const int L2) {
+    if (L2) _mm_prefetch((const char *)a, _MM_HINT_T1);
+    else _mm_prefetch((const char *)a, _MM_HINT_T0);
+}
+
 // Prefetch, one block step at a time, the weights of the tile of NT output rows starting at
 // row na (rows of nb blocks: cb code bytes each in qs, one float in d and, if m, in m). Called
 // for b = 0 .. nb-1 while an earlier tile computes, so its rows (contiguous: NT * nb * cb

@@ -75,9 +75,9 @@ INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, f
 }
 
 // Prefetch block b of the NT groups at ga (codes, scales, minima) while an earlier tile
-// computes. L2: prefetcht1, for the memory-bound 1-2-row tiles (bf16: up to 6): a 1-row
-// step's matmuls 1.26-1.40x on Zen 4 (benchmarks/README.md; likely as an L1 prefetch holds
-// one of the few L1 miss buffers until its line arrives); more rows: prefetcht0, faster.
+// computes. L2: prefetcht1, for the memory-bound tiles (1-2 rows; bf16 up to 6), and 1-2 rows
+// prefetch 1 tile ahead, not 2: a 1-row step's matmuls 1.26-1.40x, then 1.01-1.06x (Zen 4,
+// benchmarks/README.md; likely as an L1 prefetch holds one of the few L1 miss buffers).
 INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b, const int L2) {
     const int64_t cb = (w->kind == 0 ? 16 : 32) * GW;  // code bytes of a group's block
     for (int i = 0; i < NT; i++) {
@@ -90,7 +90,7 @@ INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b, con
     }
 }
 
-#define PF_TILES 2  // the few-row tiles prefetch the tile this many tiles ahead
+#define PF_TILES(MT) ((MT) <= 2 ? 1 : 2)  // how many tiles ahead the few-row tiles prefetch
 
 // Few rows (decode, a verification run): MT rows x NT groups straight from the codes, each
 // converted vector used by all MT rows. x rows at ldx, sx [MT, nb], y: the tile's first output
@@ -103,7 +103,7 @@ INLINE void tile_codes(const weight_t *w, int64_t g0, const int NT, int prefetch
     for (int r = 0; TREG && r < MT; r++)
         for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
-        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b, MT <= 2);
+        if (prefetch) prefetch_block(w, g0 + PF_TILES(MT) * NT, NT, b, MT <= 2);
         vf S[8][4];
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) S[r][i] = VZERO();
@@ -250,7 +250,7 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     case MT: {                                                                               \
         int64_t g = g0;                                                                      \
         for (; g + NT <= g1; g += NT)                                                        \
-            tile_codes(w, g, NT, g + (PF_TILES + 1) * NT <= g1, xr, ldx, sr, MT,               \
+            tile_codes(w, g, NT, g + (PF_TILES(MT) + 1) * NT <= g1, xr, ldx, sr, MT,           \
                        yr + (g - g0) * GW, ldy, TREG, CF);                                    \
         if (NT > 2)                                                                          \
             for (; g + 2 <= g1; g += 2)                                                      \

@@ -88,7 +88,7 @@ INLINE void tile_bf16(const weight_t *w, int64_t g0, const int NT, int prefetch,
     for (int r = 0; r < MT; r++)
         for (int i = 0; i < NT; i++) T[r][i] = VZERO();
     for (int64_t b = 0; b < nb; b++) {
-        if (prefetch) prefetch_block(w, g0 + PF_TILES * NT, NT, b, MT <= 6);
+        if (prefetch) prefetch_block(w, g0 + PF_TILES(MT) * NT, NT, b, MT <= 6);
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) S[r][i] = VZERO();
         for (int p = 0; p < 16; p++) {
@@ -152,7 +152,7 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
                     for (int64_t b = 0; b < w->nb; b++)
                         for (int p = 0; p < 16; p++)
                             _mm512_store_si512(buf + ((int64_t)i * half + b * 16 + p) * GW, code_pairs(w, g + i, b, p));
-            const int prefetch = few && (NG == 2 || wide) && g + (PF_TILES + 1) * NG <= g1;
+            const int prefetch = few && (NG == 2 || wide) && g + (PF_TILES(mt) + 1) * NG <= g1;
             for (int r = p0; r < p0 + pm; r += mt) {
                 const int rows = p0 + pm - r < mt ? p0 + pm - r : mt;
                 tile_bf16_any(w, g, NG, prefetch && r == p0, few ? NULL : buf, a, r, rows,

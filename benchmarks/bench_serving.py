@@ -110,6 +110,9 @@ def new_salt() -> str:
     return secrets.token_hex(4)
 
 
+WORKLOADS = ("mixed", "shared_prefix", "long_prompt", "grounded")
+
+
 def make_workload(name: str, num_requests: int, seed: int, salt: str = "") -> list[BenchRequest]:
     """Deterministic request sets: the same (name, n, seed, salt) always gives the same requests.
 
@@ -147,9 +150,7 @@ def make_workload(name: str, num_requests: int, seed: int, salt: str = "") -> li
     elif name == "grounded":
         reqs = _grounded(rng, num_requests, head)
     else:
-        raise ValueError(
-            f"unknown workload {name!r}: use mixed, shared_prefix, long_prompt or grounded"
-        )
+        raise ValueError(f"unknown workload {name!r}: use {', '.join(WORKLOADS)}")
     return reqs
 
 
@@ -361,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument(
         "--workload",
-        choices=["mixed", "shared_prefix", "long_prompt", "grounded"],
+        choices=WORKLOADS,
         default="mixed",
     )
     p.add_argument("--num-requests", type=int, default=64)

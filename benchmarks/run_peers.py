@@ -31,10 +31,16 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import BenchRequest, _one, build_parser, new_salt, run_benchmark  # noqa: E402
+from bench_serving import (  # noqa: E402
+    WORKLOADS,
+    BenchRequest,
+    _one,
+    build_parser,
+    new_salt,
+    run_benchmark,
+)
 from machine import machine_info  # noqa: E402
 
-WORKLOADS = ("mixed", "shared_prefix", "long_prompt", "grounded")
 _MEDIAN_KEYS = ("output_tok_s", "total_tok_s", "request_throughput", "duration_s")
 _DIST_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 

@@ -66,14 +66,26 @@ def accepted(proposal: list[int], out: list[int], i: int) -> int:
     return n
 
 
+def earlier(ctx: list[int], size: int) -> list[int]:
+    """Start positions, in order, of the earlier occurrences of ``ctx``'s last ``size``
+    tokens (each followed by at least one token)."""
+    n = len(ctx)
+    return [s for s in range(n - size) if ctx[s : s + size] == ctx[n - size :]]
+
+
+def longest(ctx: list[int], lo: int, hi: int) -> tuple[int, list[int]]:
+    """The longest suffix length in hi..lo with earlier occurrences, and their starts
+    ((0, []) when none)."""
+    for size in range(min(hi, len(ctx) - 1), lo - 1, -1):
+        if starts := earlier(ctx, size):
+            return size, starts
+    return 0, []
+
+
 def propose_earliest(ctx: list[int], k: int, lo: int, hi: int) -> list[int]:
     """The continuation of the earliest occurrence of the longest suffix (lo..hi tokens)."""
-    n = len(ctx)
-    for size in range(min(hi, n - 1), lo - 1, -1):
-        for s in range(n - size):
-            if ctx[s : s + size] == ctx[n - size :]:
-                return ctx[s + size : s + size + k]
-    return []
+    size, starts = longest(ctx, lo, hi)
+    return ctx[starts[0] + size : starts[0] + size + k] if starts else []
 
 
 def propose_vote(ctx: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -81,15 +93,12 @@ def propose_vote(ctx: list[int], k: int, lo: int, hi: int) -> list[int]:
     before (ties: the latest), appended and searched again."""
     c, drafts = list(ctx), []
     while len(drafts) < k:
-        n, votes = len(c), Counter()
-        for size in range(min(hi, n - 1), lo - 1, -1):
-            for s in range(n - size):
-                if c[s : s + size] == c[n - size :]:
-                    votes[c[s + size]] += 1 + s / n  # the latest wins a tie
-            if votes:
-                break
-        if not votes:
+        size, starts = longest(c, lo, hi)
+        if not starts:
             break
+        votes = Counter()
+        for s in starts:
+            votes[c[s + size]] += 1 + s / len(c)  # the latest wins a tie
         drafts.append(max(votes, key=votes.__getitem__))
         c.append(drafts[-1])
     return drafts
@@ -99,15 +108,15 @@ def oracle_proposal(ctx: list[int], out: list[int], i: int, k: int, lookup_max: 
     """The continuation of the earlier occurrence (any suffix length 1..lookup_max) that
     matches ``out[i:]`` longest, up to ``k`` tokens."""
     best: list[int] = []
-    n = len(ctx)
-    for size in range(min(lookup_max, n - 1), 0, -1):
-        suffix = ctx[n - size :]
-        for s in range(n - size):
-            if ctx[s : s + size] == suffix:
-                cand = ctx[s + size : s + size + k]
-                if accepted(cand, out, i) > accepted(best, out, i):
-                    best = cand
+    for size in range(min(lookup_max, len(ctx) - 1), 0, -1):
+        for s in earlier(ctx, size):
+            cand = ctx[s + size : s + size + k]
+            if accepted(cand, out, i) > accepted(best, out, i):
+                best = cand
     return best[: accepted(best, out, i)]
+
+
+PROPOSERS = {"ngram": propose, "earliest": propose_earliest, "vote": propose_vote}
 
 
 def replay(prompt: list[int], out: list[int], method: str, cfg: dict) -> list[tuple[int, int]]:
@@ -128,9 +137,6 @@ def replay(prompt: list[int], out: list[int], method: str, cfg: dict) -> list[tu
         steps.append((len(p), n))
         i += n + 1
     return steps
-
-
-PROPOSERS = {"ngram": propose, "earliest": propose_earliest, "vote": propose_vote}
 
 
 def price(steps: list[tuple[int, int]], cost: StepCostModel, ttft: float, n: int) -> dict:

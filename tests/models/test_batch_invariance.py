@@ -2,7 +2,8 @@
 step and in every decode step), and after a prefix-cache hit: one numeric path per layer
 whatever the row count (the CPU kernels' contract; docs/architecture.md). SmolLM2, the
 default configuration (the GGUF's blocks, activations rounded to bf16 where the CPU has
-AVX512-BF16, else float32; the block-table attention), and --decode-activations int8."""
+AVX512-BF16 — multiplied on AMX tiles where it has AMX-BF16 — else float32; the block-table
+attention), and --decode-activations int8."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def target():
 @pytest.fixture(scope="module")
 def alone(model, target):
     return PagedRunner(model, BLOCK, num_blocks=16).prefill_then_decode(target, PROMPT_LEN)
+
+
+@pytest.mark.skipif(not gemm.amx_active(), reason="needs a CPU with AMX-BF16 (and the tile state)")
+def test_on_an_amx_cpu_these_tests_run_the_tiles(model):
+    names = {layer.method.name for layer in model.linear_layers().values()}
+    assert names == {"kernel-q4_1+bf16", "kernel-q8_0+bf16"}  # every matmul: gemm_amx.h
 
 
 @pytest.mark.parametrize("batch", [1, 7, 33, 64])

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from tinyserve.utils.cache import cache_dir
-from tinyserve.utils.cpu import cpu_flags
+from tinyserve.utils.cpu import amx_permitted, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,12 @@ _AVX512 = (
 # bf16-activation tiles under __AVX512BF16__, qgemm.c's dot products under __AVX512VNNI__; the
 # rest is AVX2 code at every level.
 _VNNI = (_AVX512[0] | {"avx512_vnni"}, _AVX512[1] + ["-mavx512vnni"])
+_BF16 = (_VNNI[0] | {"avx512_bf16"}, _VNNI[1] + ["-mavx512bf16"])
 ISA_LEVELS = {
-    "avx512_bf16": (_VNNI[0] | {"avx512_bf16"}, _VNNI[1] + ["-mavx512bf16"]),
+    # + gemm.c's bf16 path on AMX tiles (gemm_amx.h); usable only once Linux granted this
+    # process the tile state (utils/cpu.py amx_permitted)
+    "amx": (_BF16[0] | {"amx_tile", "amx_bf16"}, _BF16[1] + ["-mamx-tile", "-mamx-bf16"]),
+    "avx512_bf16": _BF16,
     "avx512_vnni": _VNNI,
     "avx512": _AVX512,
     "avx2": _AVX2,
@@ -60,7 +64,8 @@ def isa_level() -> str | None:
 
 def usable_levels() -> list[str]:
     """Every ISA level this CPU runs (the tests compare the kernels across them)."""
-    return [level for level, (needs, _) in ISA_LEVELS.items() if needs <= cpu_flags()]
+    return [level for level, (needs, _) in ISA_LEVELS.items()
+            if needs <= cpu_flags() and (level != "amx" or amx_permitted())]  # fmt: skip
 
 
 def kernels_enabled() -> bool:
@@ -93,16 +98,22 @@ def source_bytes(name: str, source_dir: Path | None = None) -> bytes:
     return source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
 
 
-def built(name: str, level: str | None = None, source_dir: Path | None = None) -> Path:
+EMULATE_AMX = "-DTINYSERVE_AMX_EMULATE"  # gemm.c's AMX path on amx_tile.h's scalar tiles
+
+
+def built(name: str, level: str | None = None, source_dir: Path | None = None,
+          emulate_amx: bool = False) -> Path:  # fmt: skip
     """The library of kernels/<name>.c (or ``source_dir``'s copy) for ISA ``level`` (default:
     this CPU's), compiled once into the cache folder and named by a hash of its sources and
     flags: another revision or level, built by the tests or benchmarks/bench_kernels.py, is
-    compiled once per machine like the native one (gemm.c takes ~30 s at -O3)."""
+    compiled once per machine like the native one (gemm.c takes ~30 s at -O3).
+    ``emulate_amx``: gemm.c's AMX tiles emulated in scalar code (any level; the tests')."""
     level = level or isa_level()
     source_dir = source_dir or Path(__file__).parent
-    flags = ISA_LEVELS[level][1]
+    flags = ISA_LEVELS[level][1] + ([EMULATE_AMX] if emulate_amx else [])
     digest = hashlib.sha256(source_bytes(name, source_dir) + " ".join(flags).encode())
-    so_path = cache_dir() / "kernels" / f"{name}-{level}-{digest.hexdigest()[:16]}.so"
+    tag = "-amxemu" if emulate_amx else ""
+    so_path = cache_dir() / "kernels" / f"{name}-{level}{tag}-{digest.hexdigest()[:16]}.so"
     if not so_path.exists():
         _compile(source_dir / f"{name}.c", so_path, flags)
     return so_path

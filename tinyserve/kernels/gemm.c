@@ -317,32 +317,30 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
 }
 
 // One call's activations: x rows at ldx, their Q4_1 block sums sx, computed once; bf16 mode
-// (gemm_bf16.h): xb [M, ldxb] the rows as bf16 pairs, sx the rounded rows' block sums.
+// (gemm_bf16.h, gemm_amx.h): xb [XB_ROWS(M), ldxb] the rows as bf16 pairs, sx their sums.
 typedef struct {
     const float *x, *sx;
     int64_t ldx;
     int M;
-    const uint32_t *xb;
+    const uint32_t *xb;  // [XB_ROWS(M), ldxb]
     int64_t ldxb;
 } act_t;
 #include "gemm_bf16.h"
+#include "gemm_amx.h"
 
 // One specialised copy per weight kind (the kind branch folds away inside each).
-static void rows_q4_1(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
-                      int64_t g0, int64_t g1) {
-    weight_t c = *w;
-    c.kind = 0;
-    codes_rows(&c, a->x, a->ldx, a->sx, buf, a->M, y, ldy, g0, g1);
-}
-static void rows_q8_0(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
-                      int64_t g0, int64_t g1) {
-    weight_t c = *w;
-    c.kind = 1;
-    codes_rows(&c, a->x, a->ldx, a->sx, buf, a->M, y, ldy, g0, g1);
-}
+#define ROWS_OF_KIND(name, KIND)                                                            \
+    static void name(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,  \
+                     int64_t g0, int64_t g1) {                                               \
+        weight_t c = *w;                                                                     \
+        c.kind = KIND;                                                                       \
+        codes_rows(&c, a->x, a->ldx, a->sx, buf, a->M, y, ldy, g0, g1);                      \
+    }
+ROWS_OF_KIND(rows_q4_1, 0)
+ROWS_OF_KIND(rows_q8_0, 1)
 static void rows_any(const weight_t *w, const act_t *a, float *buf, float *y, int64_t ldy,
                      int64_t g0, int64_t g1) {
-    if (a->xb) bf16_rows(w, a, (uint32_t *)buf, y, ldy, g0, g1);
+    if (a->xb) bf16_path_rows(w, a, (uint32_t *)buf, y, ldy, g0, g1);
     else if (w->kind == 2) f32_rows(w, a->x, a->ldx, a->M, y, ldy, g0, g1);
     else if (w->kind == 0) rows_q4_1(w, a, buf, y, ldy, g0, g1);
     else rows_q8_0(w, a, buf, y, ldy, g0, g1);
@@ -366,21 +364,22 @@ static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tai
 int gemm(int flags, const void *qs, const float *d, const float *m, const float *x,
          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
     const int bf16 = (flags & BF16_ACT) != 0, kind = flags & (BF16_ACT - 1);
-    if (bf16 && (!gemm_bf16() || kind == 2)) return -2;
+    if (bf16 && (!gemm_bf16() || kind == 2 || !amx_ready())) return -2;
     if (M <= 0) return 0;
     weight_t w = {kind, qs, d, m, K, N, K / 32};
     const int64_t G = (N + GW - 1) / GW, nb = K / 32;
     if (nthreads < 1 || N < 64) nthreads = 1;
     // Scratch: sx [M, nb] | bufs [threads, 2K x GW] | tail [M, GW], each 64-byte aligned.
     const size_t n_sx = kind == 0 ? ((size_t)M * nb + 15) / 16 * 16 : 0;
-    const size_t n_buf = kind != 2 && M > FEW_ROWS ? (size_t)nthreads * 2 * K * GW : 0;
-    const size_t n_xb = bf16 ? ((size_t)M * K / 2 + 15) / 16 * 16 : 0;  // | xb [M, K/2] (bf16)
+    const size_t scratch = 2 * K * GW;  // a thread's
+    const size_t n_buf = kind != 2 && M > FEW_ROWS ? (size_t)nthreads * scratch : 0;
+    const size_t n_xb = bf16 ? ((size_t)XB_ROWS(M) * K / 2 + 15) / 16 * 16 : 0;  // | xb
     float *base = (float *)aligned_alloc(64, (n_sx + n_buf + (size_t)M * 16 + n_xb) * sizeof(float));
     if (base == NULL) return -1;
     float *bufs = base + n_sx, *tail = bufs + n_buf;
     uint32_t *xb = bf16 ? (uint32_t *)(tail + (size_t)M * 16) : NULL;
     const act_t a = {x, base, ldx, M, xb, K / 2};
-    if (bf16) bf16_activations(x, ldx, M, K, kind, xb, base);
+    if (bf16) bf16_path_activations(x, ldx, M, K, kind, xb, base);
     else for (int r = 0; r < (kind == 0 ? M : 0); r++)
         for (int64_t b = 0; b < nb; b++) base[r * nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
     if (nthreads == 1) {
@@ -392,7 +391,7 @@ int gemm(int flags, const void *qs, const float *d, const float *m, const float 
             const int64_t U = 32 / GW, units = (G + U - 1) / U, per = (units + T - 1) / T;
             int64_t g0 = t * per * U, g1 = (t + 1) * per * U;
             if (g1 > G) g1 = G;
-            if (g0 < g1) run_groups(&w, &a, bufs + (size_t)t * 2 * K * GW, tail, y, ldy, g0, g1);
+            if (g0 < g1) run_groups(&w, &a, bufs + (size_t)t * scratch, tail, y, ldy, g0, g1);
         }
     }
     free(base);

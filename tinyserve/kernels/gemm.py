@@ -65,6 +65,28 @@ def bf16_available() -> bool:
     return lib is not None and bool(lib.gemm_bf16())
 
 
+def amx_active() -> bool:
+    """gemm.c's bf16 path runs on AMX tiles here (gemm_amx.h): the build for ISA level
+    ``amx``, chosen where the CPU lists amx_bf16 and Linux granted the tile state."""
+    lib = library()
+    return lib is not None and bool(lib.gemm_amx()) and not lib.amx_emulated()
+
+
+def bf16_engine() -> str:
+    """Which unit multiplies the bf16 activations here, and why (for the start-up log)."""
+    from tinyserve.utils.cpu import amx_permitted, cpu_flags
+
+    if amx_active():
+        return "AMX tiles (TDPBF16PS)"
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        why = "this CPU has no AMX-BF16"
+    elif not amx_permitted():
+        why = "Linux refused the AMX tile state (arch_prctl)"
+    else:
+        why = "TINYSERVE_CPU_ISA chose a lower level"
+    return f"AVX512-BF16 vdpbf16ps ({why})"
+
+
 def block_kind(qtype: int) -> str | None:
     """The kernels' weight kind for a GGML type id (Q4_1, Q8_0), or None: dequantised to float."""
     return _GGML_TYPES.get(qtype)

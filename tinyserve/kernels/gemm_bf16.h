@@ -56,24 +56,14 @@ INLINE vf DPBF16(vf acc, __m512i w, __m512i x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
 }
 
-// x rows rounded to bf16: xb [M, K/2] pairs (block b's pair p at b * 16 + p) and, for Q4_1,
-// sx [M, nb] the block sums of the rounded values (block_sum's order).
-static void bf16_activations(const float *x, int64_t ldx, int M, int64_t K, int kind,
-                             uint32_t *xb, float *sx) {
-    const int64_t nb = K / 32;
-    float xr[32] __attribute__((aligned(64)));
-    for (int r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xp = x + (int64_t)r * ldx + b * 32;
-            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp)));
-            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp + 16)));
-            _mm512_storeu_si512(xb + (int64_t)r * (K / 2) + b * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            if (kind == 0) {
-                _mm512_store_ps(xr, _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)));
-                _mm512_store_ps(xr + 16, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
-                sx[r * nb + b] = block_sum(xr);
-            }
-        }
+// One block of 32 activations rounded to bf16 (nearest even): xr the rounded values,
+// pairs [16] the pairs (xr_p, xr_p+16).
+INLINE void bf16_block(const float *xp, uint32_t *pairs, float *xr) {
+    __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp)));
+    __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp + 16)));
+    _mm512_storeu_si512(pairs, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    _mm512_store_ps(xr, _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)));
+    _mm512_store_ps(xr + 16, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
 }
 
 // MT rows (from row r0 of the activations) x NT groups (from g0): the pairs converted from
@@ -162,8 +152,39 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
         }
     }
 }
+#elif defined(TINYSERVE_AMX_EMULATE)  // gemm_amx.h's emulated tiles serve bf16 calls
+int gemm_bf16(void) { return 1; }
+// As vcvtneps2bf16: nearest even; a NaN stays a (quiet) NaN.
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (u >> 16) | 0x40;
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+}
+INLINE void bf16_block(const float *xp, uint32_t *pairs, float *xr) {  // in scalar code
+    for (int p = 0; p < 32; p++) {
+        const uint32_t h = bf16_bits(xp[p]) << 16;
+        memcpy(&xr[p], &h, 4);
+    }
+    for (int p = 0; p < 16; p++) pairs[p] = bf16_bits(xr[p]) | bf16_bits(xr[p + 16]) << 16;
+}
 #else  // gemm() answers -2 to a bf16 call here, so these are never reached
 int gemm_bf16(void) { return 0; }
 #define bf16_rows(...) ((void)0)
 #define bf16_activations(...) ((void)0)
+#endif
+
+#if defined(__AVX512BF16__) || defined(TINYSERVE_AMX_EMULATE)
+// x rows rounded to bf16: xb [M, K/2] pairs (block b's pair p at b * 16 + p) and, for Q4_1,
+// sx [M, nb] the block sums of the rounded values (block_sum's order).
+static void bf16_activations(const float *x, int64_t ldx, int M, int64_t K, int kind,
+                             uint32_t *xb, float *sx) {
+    const int64_t nb = K / 32;
+    float xr[32] __attribute__((aligned(64)));
+    for (int r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            bf16_block(x + (int64_t)r * ldx + b * 32, xb + (int64_t)r * (K / 2) + b * 16, xr);
+            if (kind == 0) sx[r * nb + b] = block_sum(xr);
+        }
+}
 #endif

@@ -130,6 +130,10 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
             "on the CPU kernels (float32, tensor parallel size 1)"
         )
     taken = "bfloat16" if any(getattr(m.method, "bf16", False) for m in layers) else "float32"
+    if taken == "bfloat16":
+        from tinyserve.kernels.gemm import bf16_engine
+
+        taken += f" on {bf16_engine()}"
     if kernel_act == "bfloat16" and taken == "float32":
         taken += " (bfloat16 needs a GGUF's Q4_1/Q8_0 blocks on kernels built for AVX512-BF16)"
     logger.info(

@@ -231,8 +231,14 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "continuous"
     enable_chunked_prefill: bool = True
+    # While requests decode, a step's prompt tokens are capped so that the step's estimated
+    # time (the engine's measured step costs) stays within this many ms: the running
+    # streams' TPOT bound. None: prompts take the whole token budget.
+    max_decode_step_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_decode_step_ms is not None and not self.max_decode_step_ms > 0:
+            raise ValueError(f"max_decode_step_ms must be > 0, got {self.max_decode_step_ms}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

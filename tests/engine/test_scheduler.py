@@ -385,3 +385,66 @@ def test_prefix_cache_lookups_count_once_per_admission_not_per_attempt():
         out, _ = step(sched)
     assert kv.prefix_cache_queries - before[0] == 13  # b's tokens, once
     assert kv.prefix_cache_hits - before[1] == 8  # its two shared blocks, once
+
+
+def _priced(sched: Scheduler, per_token_ms: float) -> None:
+    """A step-cost model that measured a machine where a step of n tokens costs
+    (5 + per_token_ms * n) ms (not the fake steps' own microseconds)."""
+    from tinyserve.spec_decode.cost import StepCostModel
+
+    sched.step_cost = StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        for _ in range(8):
+            sched.step_cost.observe(n, (5.0 + per_token_ms * n) / 1000)
+
+
+def test_decode_step_bound_caps_prompt_chunks_while_requests_decode():
+    from tinyserve.engine.scheduler import MIN_PROMPT_CHUNK
+
+    sched = make_scheduler(
+        num_blocks=256, max_num_batched_tokens=128, max_model_len=256, max_decode_step_ms=40.0
+    )
+    _priced(sched, per_token_ms=0.5)  # 40 ms: 70 tokens a step
+    # Nothing decodes yet: a prompt takes the whole budget.
+    sched.add_request(make_request("a", 8))
+    sched.add_request(make_request("b", 8))
+    out, _ = step(sched)
+    assert shares(out) == {"a": 8, "b": 8}
+    # a and b now decode; a long prompt arrives: its chunks keep the step within 40 ms.
+    sched.add_request(make_request("long", 200, max_model_len=256))
+    for _ in range(2):  # two chunks of ~68 of the 200
+        _priced(sched, per_token_ms=0.5)
+        out = sched.schedule()
+        got = shares(out)
+        assert got["a"] == got["b"] == 1
+        rows = got["long"] + 2  # beside the two decode rows: the most the bound allows
+        cost = sched.step_cost
+        assert cost.estimate(rows) <= 0.040 < cost.estimate(rows + 1)
+        assert 60 <= rows <= 80  # ~70: 5 + 0.5 * 70 = 40 ms
+        sched.update_from_output(out, FakeRunner().execute(out))
+    # A machine twice as slow per token: shorter chunks, never below MIN_PROMPT_CHUNK.
+    _priced(sched, per_token_ms=4.0)
+    assert shares(step(sched)[0])["long"] == MIN_PROMPT_CHUNK
+
+
+def test_without_the_bound_or_a_measurement_prompts_take_the_whole_budget():
+    for bound, priced in ((None, True), (40.0, False)):
+        sched = make_scheduler(
+            num_blocks=256, max_num_batched_tokens=128, max_model_len=256,
+            max_decode_step_ms=bound,
+        )  # fmt: skip
+        sched.add_request(make_request("a", 8))
+        step(sched)
+        if priced:
+            _priced(sched, per_token_ms=0.5)
+        else:
+            sched.step_cost = type(sched.step_cost)()  # forget the first step: nothing known
+        sched.add_request(make_request("long", 200, max_model_len=256))
+        assert shares(sched.schedule()) == {"a": 1, "long": 127}
+
+
+def test_decode_step_bound_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_decode_step_ms"):
+        SchedulerConfig(max_decode_step_ms=0)

@@ -27,6 +27,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # While requests decode, cap a step's prompt tokens so that the step's measured cost
+    # stays within this bound (ms): the running streams' TPOT. None / 0: no cap.
+    max_decode_step_ms: float | None = None
     scheduling_policy: str = "continuous"  # or "static" (gang), for the benchmarks
     load_tokenizer: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split over (docs/scaling.md)
@@ -79,6 +82,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument(
+        "--max-decode-step-ms",
+        type=float,
+        default=d.max_decode_step_ms,
+        help="while requests decode, cap each step's prompt tokens so that the step, by this "
+        "machine's measured step costs, stays within this many ms: the running streams' "
+        "TPOT bound (prompts still take >= 32 tokens a step; 0: no cap)",
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

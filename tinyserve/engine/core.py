@@ -48,6 +48,7 @@ class EngineCore:
             max_model_len=executor.max_model_len,
             policy=args.scheduling_policy,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            max_decode_step_ms=args.max_decode_step_ms or None,
         )
         self.kv_cache_manager = KVCacheManager(
             executor.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching

@@ -19,7 +19,11 @@ from tinyserve.config import SchedulerConfig
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tinyserve.request import Request, RequestStatus
+from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.proposer import NgramProposer
+
+# The fewest prompt tokens a step takes under the decode-step bound: prompts always advance.
+MIN_PROMPT_CHUNK = 32
 
 
 class Scheduler:
@@ -42,7 +46,10 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         # Speculative decoding (spec_decode/proposer.py): drafts for decoding requests.
         self.proposer = proposer
-        self._step_started = 0.0  # perf_counter at the last schedule(), with a proposer
+        # What a step of n scheduled tokens costs here (the speculation policy's model, when
+        # speculating), for max_decode_step_ms.
+        self.step_cost = proposer.cost if proposer is not None else StepCostModel()
+        self._step_started = 0.0  # perf_counter at the last schedule()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Every unfinished request, waiting or running.
@@ -88,13 +95,17 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
+        self._step_started = time.perf_counter()
         if self.proposer is not None:
-            self._step_started = time.perf_counter()
             self.proposer.begin_step(self.running, budget)
+        prompt_budget = self._prompt_budget(budget)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
+            if prefilling:
+                num_new = min(num_new, prompt_budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -115,10 +126,12 @@ class Scheduler:
             num_new += len(drafts)
             scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts))
             budget -= num_new
+            prompt_budget -= num_new if prefilling else 0
             index += 1
 
         if not preempted and self._may_admit():
-            budget = self._admit_waiting(budget, scheduled)
+            left = self._admit_waiting(min(budget, prompt_budget), scheduled)
+            budget -= min(budget, prompt_budget) - left
 
         finished, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(
@@ -161,11 +174,23 @@ class Scheduler:
             if item.spec_token_ids and not request.is_finished:
                 self.kv_cache_manager.trim(request)
             changed.append(request)
-        if self.proposer is not None and ran:
-            # The speculation policy's step costs (spec_decode/cost.py): schedule to here.
+        if ran:  # the step's cost (spec_decode/cost.py): schedule() to here
             elapsed = time.perf_counter() - self._step_started
-            self.proposer.observe_step(scheduler_output.num_batched_tokens, elapsed)
+            self.step_cost.observe(scheduler_output.num_batched_tokens, elapsed)
         return changed
+
+    def _prompt_budget(self, budget: int) -> int:
+        """Prompt tokens this step may take: all of ``budget``, but while some request
+        decodes and ``max_decode_step_ms`` is set, only as many as keep the step's estimated
+        time within it beside the decoding rows (at least MIN_PROMPT_CHUNK)."""
+        bound = self.scheduler_config.max_decode_step_ms
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        if bound is None or decoding == 0:
+            return budget
+        rows = self.step_cost.max_rows_within(bound / 1000.0, budget)
+        if rows is None:  # nothing measured yet
+            return budget
+        return max(MIN_PROMPT_CHUNK, rows - decoding)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Speculative drafts for a request that decodes one token this step, or []: not

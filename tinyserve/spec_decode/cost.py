@@ -71,6 +71,17 @@ class StepCostModel:
         self._rows.insert(i, rows)
         self._seconds[rows] = seconds
 
+    def max_rows_within(self, seconds: float, most: int) -> int | None:
+        """The largest row count up to ``most`` whose estimate is within ``seconds`` (at
+        least 1), or None while nothing is measured (the estimates are not seconds yet)."""
+        if not self._rows:
+            return None
+        lo, hi = 1, most  # estimates grow with the rows: the last count that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.estimate(mid) <= seconds else (lo, mid - 1)
+        return lo
+
     def _prior(self, n: int) -> float:
         return 1.0 + self.prior_row_cost * (n - 1)
 

@@ -20,9 +20,12 @@
 # the tarball is unpacked by hand and pip builds nothing else.
 #
 # CPU flags: GGML_NATIVE=ON (-march=native) except on CPUs whose /proc/cpuinfo lists AMX
-# (amx_tile/amx_int8/amx_bf16): AMX tile instructions fault in our VMs, and -march=native
-# would turn them on, so there the build is GGML_NATIVE=OFF with AVX-512 (+VBMI, VNNI, BF16),
-# AVX2, FMA, F16C named explicitly and every AMX option OFF.
+# (amx_tile/amx_int8/amx_bf16): there llama.cpp's native build (its AMX matmul on) segfaults
+# inside ggml_backend_amx_mul_mat at the first request (gdb, Xeon with AMX, 2026-12-05). AMX
+# itself works in our VMs once a process asks Linux for the tile state (tinyserve's
+# kernels do); this build is the peer there: GGML_NATIVE=OFF with AVX-512 (+VBMI, VNNI,
+# BF16), AVX2, FMA, F16C named explicitly and every AMX option OFF. NATIVE=1 builds the
+# native one anyway (to re-check the crash) into BUILD_DIR.
 set -euo pipefail
 SRC_DIR=${1:-${TINYSERVE_LLAMACPP_SRC:-$HOME/.cache/tinyserve/llama-src}}
 JOBS=${JOBS:-2}
@@ -56,8 +59,8 @@ if [ -x "$BIN" ] && [ -z "${FORCE:-}" ]; then
 fi
 
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
-if echo "$flags" | grep -qwE 'amx_tile|amx_int8|amx_bf16'; then
-  echo "CPU has AMX: building with GGML_NATIVE=OFF, explicit AVX-512, AMX off"
+if echo "$flags" | grep -qwE 'amx_tile|amx_int8|amx_bf16' && [ -z "${NATIVE:-}" ]; then
+  echo "CPU has AMX: building with GGML_NATIVE=OFF, explicit AVX-512, AMX off (its AMX build crashes)"
   cpu_args=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
             -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
             -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)

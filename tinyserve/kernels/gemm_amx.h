@@ -22,6 +22,9 @@ int gemm_amx(void) { return 1; }
 // Up to this many rows one row tile converts each block's codes as it goes (no panel
 // buffer): a decode step or a verification run.
 #define AMX_FEW_ROWS 16
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 1
+#endif
 #ifndef AMX_PF
 #define AMX_PF 2
 #endif
@@ -54,8 +57,9 @@ INLINE void amx_pack_block(const weight_t *w, int64_t g, int64_t b, uint32_t *ds
 }
 #endif
 
-// The A tiles read whole tiles of 16 rows: xb's rows past M are zeros.
-#define XB_ROWS(M) (((M) + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS)
+// Below 16 rows the tiles are configured with M rows; above, the A tiles read whole tiles of
+// 16 rows: xb's rows past M are zeros (not for fewer: 17-46 KB a decode matmul to clear).
+#define XB_ROWS(M) ((M) < TILE_ROWS ? (M) : ((M) + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS)
 static void amx_activations(const float *x, int64_t ldx, int M, int64_t K, int kind,
                             uint32_t *xb, float *sx) {
     bf16_activations(x, ldx, M, K, kind, xb, sx);
@@ -93,24 +97,29 @@ INLINE void amx_tile(const weight_t *w, int64_t g, const uint32_t *panel, const 
                      int r0, const int MT, float *y, int64_t ldy, int prefetch) {
     const int64_t nb = w->nb;
     float S[2][TILE_ROWS * GW] __attribute__((aligned(64)));
-    uint32_t bb[2][16 * GW] __attribute__((aligned(64)));
+    uint32_t bb[AMX_AHEAD + 1][16 * GW] __attribute__((aligned(64)));
     vf T[TILE_ROWS];
     for (int r = 0; r < MT; r++) T[r] = VZERO();
-    // Even blocks on tiles 0/2/4, odd on 1/3/5. Few rows pack block b + 1's codes before
-    // block b's tile loads, so that the loads do not wait for just-issued stores.
-    if (!panel) amx_pack_block(w, g, 0, bb[0]);
+    // Even blocks on tiles 0/2/4, odd on 1/3/5. Few rows pack block b + AMX_AHEAD's codes
+    // before block b's tile loads, so that the loads do not wait for just-issued stores.
+    for (int64_t b = 0; !panel && b < AMX_AHEAD && b < nb; b++) amx_pack_block(w, g, b, bb[b]);
+#define AMX_NEXT(b) \
+    if (!panel && (b) + AMX_AHEAD < nb) amx_pack_block(w, g, (b) + AMX_AHEAD, bb[((b) + AMX_AHEAD) % (AMX_AHEAD + 1)])
+#define AMX_B(b) (panel ? panel + (b) * 16 * GW : bb[(b) % (AMX_AHEAD + 1)])
     for (int64_t b = 0; b < nb; b += 2) {
         if (prefetch) {
             prefetch_block(w, g + AMX_PF, 1, b, 1);
             if (b + 1 < nb) prefetch_block(w, g + AMX_PF, 1, b + 1, 1);
         }
-        if (!panel && b + 1 < nb) amx_pack_block(w, g, b + 1, bb[1]);
-        AMX_BLOCK(0, 2, 4, b, panel ? panel + b * 16 * GW : bb[0], S[0]);
+        AMX_NEXT(b);
+        AMX_BLOCK(0, 2, 4, b, AMX_B(b), S[0]);
         if (b + 1 < nb) {
-            if (!panel && b + 2 < nb) amx_pack_block(w, g, b + 2, bb[0]);
-            AMX_BLOCK(1, 3, 5, b + 1, panel ? panel + (b + 1) * 16 * GW : bb[1], S[1]);
+            AMX_NEXT(b + 1);
+            AMX_BLOCK(1, 3, 5, b + 1, AMX_B(b + 1), S[1]);
         }
     }
+#undef AMX_NEXT
+#undef AMX_B
     for (int r = 0; r < MT; r++) VSTORE(y + (int64_t)(r0 + r) * ldy, T[r]);
 }
 

@@ -59,15 +59,20 @@ def build(src_dir: Path, name: str, level: str | None) -> ctypes.CDLL:
 
 
 def sources_at(rev: str, dest: Path) -> Path:
+    """The kernels' sources at ``rev``: the three timed .c files and every header beside
+    them then (gemm_bf16.h, gemm_amx.h, ... come and go between revisions)."""
     dest.mkdir(parents=True)
-    optional = ("gemm_bf16.h", "attention_chunk.h")  # headers older revisions lack
-    for name in ("gemm.c", "qgemm.c", "attention.c", "simd.h", *optional):
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KDIR}"], cwd=ROOT,
+                            capture_output=True, text=True)  # fmt: skip
+    if listed.returncode:
+        raise RuntimeError(f"git ls-tree {rev}:{KDIR}: {listed.stderr.strip()}")
+    headers = [n for n in listed.stdout.split() if n.endswith(".h")]
+    for name in ("gemm.c", "qgemm.c", "attention.c", *headers):
         shown = subprocess.run(["git", "show", f"{rev}:{KDIR}/{name}"], cwd=ROOT,
                                capture_output=True, text=True)  # fmt: skip
-        if shown.returncode and name not in optional:
+        if shown.returncode:
             raise RuntimeError(f"git show {rev}:{KDIR}/{name}: {shown.stderr.strip()}")
-        if not shown.returncode:
-            (dest / name).write_text(shown.stdout)
+        (dest / name).write_text(shown.stdout)
     return dest
 
 

@@ -55,7 +55,7 @@ def main() -> None:
     from tinyserve.sampling_params import SamplingParams
 
     llm = LLM(model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.prompt_len + 16, enable_prefix_caching=False)  # fmt: skip
+              max_model_len=max(args.prompt_len, 64) + 16, enable_prefix_caching=False)  # fmt: skip
     config = llm.engine.model_config
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0)

@@ -80,24 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget, e.g. 2GiB (default: 1GiB on a CPU; on CUDA what "
         "--gpu-memory-utilization leaves after a profiling forward of the largest step)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument(
-        "--max-decode-step-ms",
-        type=float,
-        default=d.max_decode_step_ms,
-        help="while requests decode, cap each step's prompt tokens so that the step, by this "
-        "machine's measured step costs, stays within this many ms: the running streams' "
-        "TPOT bound (prompts still take >= 32 tokens a step; 0: no cap)",
-    )
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_prefix_caching,
-    )
-    parser.add_argument(
-        "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
-    )
+    _add_scheduler_args(parser, d)
     _add_kernel_args(parser, d)
     _add_gpu_args(parser, d)
     parser.add_argument(
@@ -115,6 +98,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.tensor_parallel_size,
         help="split the model over N processes / devices (torch.distributed; see docs/scaling.md)",
+    )
+
+
+def _add_scheduler_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument(
+        "--max-decode-step-ms",
+        type=float,
+        default=d.max_decode_step_ms,
+        help="while requests decode, cap each step's prompt tokens so that the step, by this "
+        "machine's measured step costs, stays within this many ms: the running streams' "
+        "TPOT bound (prompts still take >= 32 tokens a step; 0: no cap)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
+    parser.add_argument(
+        "--scheduling-policy", default=d.scheduling_policy, choices=["continuous", "static"]
     )
 
 

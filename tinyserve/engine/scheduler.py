@@ -103,7 +103,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            prefilling = request.num_computed_tokens < request.num_prompt_tokens
+            prefilling = request.num_tokens - request.num_computed_tokens > 1  # or recomputing
             if prefilling:
                 num_new = min(num_new, prompt_budget)
             if num_new <= 0:
@@ -130,8 +130,7 @@ class Scheduler:
             index += 1
 
         if not preempted and self._may_admit():
-            left = self._admit_waiting(min(budget, prompt_budget), scheduled)
-            budget -= min(budget, prompt_budget) - left
+            self._admit_waiting(min(budget, prompt_budget), scheduled)
 
         finished, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(
@@ -182,10 +181,14 @@ class Scheduler:
     def _prompt_budget(self, budget: int) -> int:
         """Prompt tokens this step may take: all of ``budget``, but while some request
         decodes and ``max_decode_step_ms`` is set, only as many as keep the step's estimated
-        time within it beside the decoding rows (at least MIN_PROMPT_CHUNK)."""
+        time within it beside the decoding rows (at least MIN_PROMPT_CHUNK). Speculative
+        drafts, planned against the whole budget, are not subtracted: with speculation on a
+        step may exceed the bound by its draft rows."""
         bound = self.scheduler_config.max_decode_step_ms
-        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-        if bound is None or decoding == 0:
+        if bound is None:
+            return budget
+        decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        if decoding == 0:
             return budget
         rows = self.step_cost.max_rows_within(bound / 1000.0, budget)
         if rows is None:  # nothing measured yet

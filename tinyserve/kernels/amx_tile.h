@@ -26,7 +26,7 @@ typedef struct {
 } __attribute__((packed, aligned(64))) tile_config_t;
 
 // Tiles 0-1 (C: rows x GW float32, colsb bytes), 2-3 (A: rows x 16 pairs of bf16, one
-// block of 32) and 4-7 (B: 16 pairs x GW outputs, colsb bytes). rows < 16 for a tile of
+// block of 32) and 4-7 (B-shaped: 16 pairs x GW outputs, colsb bytes; gemm_amx.h uses 4-5). rows < 16 for a tile of
 // few rows: the multiply's cost follows its rows.
 static inline void tile_config_fill(tile_config_t *c, int colsb, int rows) {
     memset(c, 0, sizeof *c);

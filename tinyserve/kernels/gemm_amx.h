@@ -142,8 +142,9 @@ INLINE void amx_tile_any(const weight_t *w, int64_t g, const uint32_t *panel, co
 }
 
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output); buf: this thread's scratch,
-// >= K/2 x GW words (one group's packed blocks). The activations' rows are padded to a
-// multiple of 16 (zeros), so every A tile load stays inside them.
+// >= K/2 x GW words (one group's packed blocks). Below 16 rows the tiles are configured with
+// M rows; from 16 the activations' rows are padded to a multiple of 16 (zeros): every A tile
+// load stays inside them.
 static void amx_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y, int64_t ldy,
                      int64_t g0, int64_t g1) {
     const int M = a->M;

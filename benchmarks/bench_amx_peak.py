@@ -11,9 +11,9 @@ tiles, + store    as "L1 loads", the accumulator zeroed and stored each multiply
                   per-block scale, as gemm_amx.h's Q4_1 / Q8_0 blocks need, costs the tiles)
 vdpbf16ps         12 independent zmm accumulators (2 bf16 products per lane per instruction)
 
-A C program compiled here with the kernels' compiler (gcc -O3 -march=native), run once per
-thread count; each thread asks Linux for the tile state itself. GFLOP/s count 2 per
-multiply-add.
+A C program over the kernels' tile layer (kernels/amx_tile.h), compiled here with gcc -O3
+-march=native, run once per thread count; each thread asks Linux for the tile state itself.
+GFLOP/s count 2 per multiply-add.
 
 python benchmarks/bench_amx_peak.py [--seconds 1.0] [--out benchmarks/results/amx_peak.json]
 """
@@ -33,23 +33,13 @@ from machine import machine_info  # noqa: E402
 from tinyserve.utils.cpu import amx_permitted, cpu_flags, usable_cpus  # noqa: E402
 
 SOURCE = r"""
-#include <immintrin.h>
+#include "amx_tile.h"  /* the kernels' tile layer: tile_config, amx_request */
 #include <omp.h>
 #include <stdio.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
-typedef struct { uint8_t palette, start_row, rsv[14]; uint16_t colsb[16]; uint8_t rows[16]; }
-    __attribute__((packed)) cfg_t;
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static void config(void) {
-    cfg_t c; memset(&c, 0, sizeof c); c.palette = 1;
-    for (int i = 0; i < 8; i++) { c.colsb[i] = 64; c.rows[i] = 16; }
-    _tile_loadconfig(&c);
-}
+static void config(void) { tile_config(64, 16); }  /* every tile 16 rows x 64 bytes */
 #define TILE_FLOP (16.0 * 16 * 32 * 2)
 static double tiles_regs(long n) {
     config(); _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -98,7 +88,7 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 4; k++) {
 #pragma omp parallel num_threads(threads) reduction(+ : r[k])
         {
-            if (k < 3 && syscall(SYS_arch_prctl, 0x1023, 18) != 0) { printf("no AMX grant\n"); exit(3); }
+            if (k < 3 && amx_request() != 0) { printf("no AMX grant\n"); exit(3); }
             r[k] += k == 0 ? tiles_regs(n[0]) : k == 3 ? avx512(n[3]) : tiles_loads(n[k], k == 2);
         }
     }
@@ -107,6 +97,7 @@ int main(int argc, char **argv) {
 }
 """
 
+KERNELS = Path(__file__).resolve().parent.parent / "tinyserve" / "kernels"
 KEYS = ("tiles_registers", "tiles_l1_loads", "tiles_l1_loads_store", "vdpbf16ps")
 
 
@@ -116,8 +107,8 @@ def run(seconds: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
         src.write_text(SOURCE)
-        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-o", str(exe), str(src)],
-                       check=True)  # fmt: skip
+        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", f"-I{KERNELS}", "-o", str(exe),
+                        str(src)], check=True)  # fmt: skip
         out = {}
         for threads in sorted({1, usable_cpus()}):
             line = subprocess.run([str(exe), str(threads), str(seconds)], check=True,

@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType
 from test_cpu_kernels import _typed, random_blocks
 
 from tinyserve.kernels import build, gemm
-from tinyserve.utils.cpu import amx_permitted, cpu_flags
+from tinyserve.utils.cpu import AMX_FLAGS, amx_permitted, cpu_flags
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 ROWS = (1, 2, 3, 5, 15, 16, 17, 31, 33, 64, 129, 300)
@@ -124,7 +124,7 @@ def test_amx_hardware_equals_the_emulation_bitwise(qtype, emulated):
 
 
 def test_amx_is_chosen_where_the_cpu_has_it_and_linux_grants_it():
-    has = {"amx_tile", "amx_bf16"} <= cpu_flags()
+    has = AMX_FLAGS <= cpu_flags()
     assert ("amx" in build.usable_levels()) == (has and amx_permitted())
     if has and amx_permitted() and gemm.available():
         assert build.isa_level() == "amx" and gemm.amx_active()

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from tinyserve.utils.cache import cache_dir
-from tinyserve.utils.cpu import amx_permitted, cpu_flags
+from tinyserve.utils.cpu import AMX_FLAGS, amx_permitted, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _BF16 = (_VNNI[0] | {"avx512_bf16"}, _VNNI[1] + ["-mavx512bf16"])
 ISA_LEVELS = {
     # + gemm.c's bf16 path on AMX tiles (gemm_amx.h); usable only once Linux granted this
     # process the tile state (utils/cpu.py amx_permitted)
-    "amx": (_BF16[0] | {"amx_tile", "amx_bf16"}, _BF16[1] + ["-mamx-tile", "-mamx-bf16"]),
+    "amx": (_BF16[0] | AMX_FLAGS, _BF16[1] + ["-mamx-tile", "-mamx-bf16"]),
     "avx512_bf16": _BF16,
     "avx512_vnni": _VNNI,
     "avx512": _AVX512,

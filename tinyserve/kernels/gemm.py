@@ -74,11 +74,11 @@ def amx_active() -> bool:
 
 def bf16_engine() -> str:
     """Which unit multiplies the bf16 activations here, and why (for the start-up log)."""
-    from tinyserve.utils.cpu import amx_permitted, cpu_flags
+    from tinyserve.utils.cpu import AMX_FLAGS, amx_permitted, cpu_flags
 
     if amx_active():
         return "AMX tiles (TDPBF16PS)"
-    if not {"amx_tile", "amx_bf16"} <= cpu_flags():
+    if not AMX_FLAGS <= cpu_flags():
         why = "this CPU has no AMX-BF16"
     elif not amx_permitted():
         why = "Linux refused the AMX tile state (arch_prctl)"

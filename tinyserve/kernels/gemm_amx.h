@@ -33,12 +33,6 @@ int gemm_amx(void) { return 1; }
 #endif
 
 #ifdef TINYSERVE_AMX_EMULATE
-static inline uint32_t bf16_of_int(int q) {
-    const float f = (float)q;  // |q| <= 127: exact in bf16, so truncating the bits is exact
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u >> 16;
-}
 // Block b of group g as a B tile: row p = the pairs (q_p, q_p+16) of the GW outputs.
 static void amx_pack_block(const weight_t *w, int64_t g, int64_t b, uint32_t *dst) {
     for (int p = 0; p < 16; p++)
@@ -51,7 +45,7 @@ static void amx_pack_block(const weight_t *w, int64_t g, int64_t b, uint32_t *ds
                 const int8_t *q = (const int8_t *)w->qs + (g * w->nb + b) * 32 * GW + c;
                 lo = q[p * GW], hi = q[(p + 16) * GW];
             }
-            dst[p * GW + c] = bf16_of_int(lo) | bf16_of_int(hi) << 16;
+            dst[p * GW + c] = bf16_bits((float)lo) | bf16_bits((float)hi) << 16;  // exact
         }
 }
 #else

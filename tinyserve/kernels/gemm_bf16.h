@@ -16,6 +16,18 @@
 // buffering from 9 rows: 9 rows 1.33x, 12 1.56x, 16 1.38x, 20 1.18x, 24 1.04x, 48 0.90x.
 #define BF16_FEW_ROWS 24
 
+#ifdef TINYSERVE_AMX_EMULATE
+// As vcvtneps2bf16, in scalar code: nearest even; a denormal becomes a zero of its sign
+// (checked on the AMX Xeon: 1e-39 -> 0x0000); a NaN stays a (quiet) NaN.
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (!(u & 0x7F800000)) return (u >> 16) & 0x8000;
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (u >> 16) | 0x40;
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+}
+#endif
+
 #ifdef __AVX512BF16__
 int gemm_bf16(void) { return 1; }
 
@@ -154,15 +166,6 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
 }
 #elif defined(TINYSERVE_AMX_EMULATE)  // gemm_amx.h's emulated tiles serve bf16 calls
 int gemm_bf16(void) { return 1; }
-// As vcvtneps2bf16: nearest even; a denormal becomes a zero of its sign (checked on the AMX
-// Xeon: 1e-39 -> 0x0000); a NaN stays a (quiet) NaN.
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (!(u & 0x7F800000)) return (u >> 16) & 0x8000;
-    if ((u & 0x7FFFFFFF) > 0x7F800000) return (u >> 16) | 0x40;
-    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
-}
 INLINE void bf16_block(const float *xp, uint32_t *pairs, float *xr) {  // in scalar code
     for (int p = 0; p < 32; p++) {
         const uint32_t h = bf16_bits(xp[p]) << 16;

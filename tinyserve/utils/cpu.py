@@ -19,12 +19,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # /proc/cpuinfo's, for the bf16 tiles
+
+
 @functools.cache
 def amx_permitted() -> bool:
     """Whether this process may use AMX tiles: the CPU lists ``amx_tile`` and ``amx_bf16`` and
     Linux granted the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``,
     per process, its threads included). Without the grant the first tile instruction faults."""
-    if not {"amx_tile", "amx_bf16"} <= cpu_flags() or os.uname().machine != "x86_64":
+    if not AMX_FLAGS <= cpu_flags() or os.uname().machine != "x86_64":
         return False
     import ctypes
 

@@ -37,6 +37,17 @@ static inline void tile_config_fill(tile_config_t *c, int colsb, int rows) {
     }
 }
 
+// All eight tiles 64 bytes wide: tiles 0 .. first16-1 with rows rows, the rest 16 (attention's
+// C and A tiles of a query tile's rows, and its B tiles).
+static inline void tile_config_fill_split(tile_config_t *c, int rows, int first16) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c->rows[t] = t < first16 ? rows : TILE_ROWS;
+        c->colsb[t] = 64;
+    }
+}
+
 #ifndef TINYSERVE_AMX_EMULATE
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -49,6 +60,11 @@ int amx_emulated(void) { return 0; }
 static inline void tile_config(int colsb, int rows) {
     tile_config_t c;
     tile_config_fill(&c, colsb, rows);
+    _tile_loadconfig(&c);
+}
+static inline void tile_config_split(int rows, int first16) {
+    tile_config_t c;
+    tile_config_fill_split(&c, rows, first16);
     _tile_loadconfig(&c);
 }
 #define TILE_ZERO(t) _tile_zero(t)
@@ -64,6 +80,9 @@ int amx_emulated(void) { return 1; }
 static __thread uint8_t tmm[8][TILE_ROWS][64] __attribute__((aligned(64)));
 static __thread tile_config_t tcfg;
 static inline void tile_config(int colsb, int rows) { tile_config_fill(&tcfg, colsb, rows); }
+static inline void tile_config_split(int rows, int first16) {
+    tile_config_fill_split(&tcfg, rows, first16);
+}
 static inline float bf16_daz(uint16_t h) {
     uint32_t u = (h & 0x7F80) ? (uint32_t)h << 16 : (uint32_t)(h & 0x8000) << 16;
     float f;

@@ -1,4 +1,5 @@
-// Paged attention for a flat (ragged) batch, float32, AVX2 + FMA, read straight through the
+// Paged attention for a flat (ragged) batch, float32, AVX2 + FMA (or, through the _tiles
+// entry points of an AMX build, bf16 products on AMX tiles: attention_amx.h), read straight through the
 // block table: no gather of the context into a padded rectangle, no mask. The cache holds
 // float32 (paged_attention) or bf16 (paged_attention_bf16, --kv-cache-dtype bfloat16: half
 // the bytes a decode row reads); bf16 keys and values widen to float32 exactly as loaded, so
@@ -20,8 +21,31 @@
 #include <math.h>
 
 #define CHUNK 64  // keys per chunk
+#if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
+// Rows of one sequence that share each chunk's key/value packing (attention_amx.h): reading
+// and packing a chunk's keys and values is most of a tile chunk's cost, so the more rows the
+// better while the work items still outnumber the threads (one layer of a 2048-token prompt
+// in 512-row steps, Xeon AMX, 2 threads: 16 rows 20.0 ms, 32 17.4, 64 13.5, 128 32.1 — 128
+// leaves 12 items, the per-chunk mode).
+#define GROUP 64
+#else
 #define GROUP 8  // consecutive rows of one sequence that share each chunk's key/value reads
+#endif
 #include "attention_chunk.h"  // chunk_partials: one chunk's partials for a group of rows
+#if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
+#include "attention_amx.h"  // chunk_partials_amx: the same on AMX tiles
+// Whether this process may use the tiles (asked once; amx_tile.h).
+static int attn_amx_ready(void) {
+    static int granted = -1;
+    if (granted < 0) granted = amx_request() == 0;
+    return granted;
+}
+int attention_amx(void) { return 1; }
+#define chunk_partials_tiles chunk_partials_amx
+#else
+int attention_amx(void) { return 0; }
+#define chunk_partials_tiles chunk_partials
+#endif
 
 // The chunks' partials of one (row, KV head), in order, into its G output heads.
 static void combine(const float *parts, int64_t nc, int G, int D, float *out) {
@@ -59,9 +83,16 @@ static void *get_scratch(int64_t bytes) {
 
 // chunk_partials' scratch for up to GROUP rows: the key and value pointers, three pointers
 // per query vector, and the queries' scores.
-static int64_t chunk_scratch_bytes(int G) {
+static int64_t chunk_scratch_bytes(int G, int D) {
     const int64_t M = (int64_t)GROUP * G;
-    return (4 * CHUNK + 3 * M) * (int64_t)sizeof(void *) + M * CHUNK * (int64_t)sizeof(float);
+    const int64_t f = (4 * CHUNK + 3 * M) * (int64_t)sizeof(void *) + M * CHUNK * (int64_t)sizeof(float);
+#ifdef ATTN_AMX
+    const int64_t t = chunk_scratch_amx_bytes(D);
+    return t > f ? t : f;
+#else
+    (void)D;
+    return f;
+#endif
 }
 
 
@@ -89,8 +120,9 @@ static inline next_t chunk_of(const int32_t *block_tables, int64_t max_blocks,
             n_[t - ta_] = pos[t] + 1 - j0_ < CHUNK ? (int)(pos[t] + 1 - j0_) : CHUNK;       \
             pp_[t - ta_] = (part_of);                                                       \
         }                                                                                   \
-        chunk_partials(&a, q + ta_ * q_stride, q_stride, (int)(t1 - ta_), n_, table, g, j0_, \
-                       pp_, sc, next);                                                      \
+        (tiles ? chunk_partials_tiles : chunk_partials)(&a, q + ta_ * q_stride, q_stride,    \
+                                                        (int)(t1 - ta_), n_, table, g, j0_,   \
+                                                        pp_, sc, next);                       \
     } while (0)
 
 // The entry points' body (paged_attention, paged_attention_bf16 below; ctypes). block_tables:
@@ -110,9 +142,18 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                          const void *v_cache, int bf16, int block_size, int H, int KVH, int D,
                          const int64_t *query_start_loc, const int64_t *seq_lens,
                          const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
-                         int64_t max_blocks, float scale, float *out, int nthreads) {
+                         int64_t max_blocks, float scale, float *out, int nthreads,
+                         int want_tiles) {
     if (T <= 0) return 0;
     const attn_t a = {k_cache, v_cache, block_size, H, KVH, D, bf16, scale};
+    // Tiles (asked for by the _tiles entry points): every row of the call, for head sizes of
+    // whole tiles — one numeric path.
+#ifdef ATTN_AMX
+    const int tiles = want_tiles && D % 32 == 0 && attn_amx_ready();
+#else
+    const int tiles = 0;
+    (void)want_tiles;
+#endif
     const int G = H / KVH;
     const int64_t pf = (int64_t)G * (D + 2);  // floats of one chunk's partial
     // pos[t]: row t's last key; first[t]: chunks before row t; grp: group starts (ng + 1);
@@ -149,13 +190,13 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                 const int64_t it2 = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
                 const int64_t i = it / KVH, g = it % KVH, t0 = grp[i], t1 = grp[i + 1];
                 const int64_t ncm = gfirst[i + 1] - gfirst[i];
-                char *sc = (char *)get_scratch(chunk_scratch_bytes(G) +
+                char *sc = (char *)get_scratch(chunk_scratch_bytes(G, D) +
                                                (t1 - t0) * ncm * pf * sizeof(float));
                 if (sc == NULL) {
                     failed = 1;
                     break;
                 }
-                float *parts = (float *)(sc + chunk_scratch_bytes(G));
+                float *parts = (float *)(sc + chunk_scratch_bytes(G, D));
                 const int32_t *table = block_tables + seq_of_token[t0] * max_blocks;
                 for (int64_t c = 0; c < ncm; c++) {
                     const next_t nx = c + 1 < ncm       ? CHUNK_OF(i, c + 1, g)
@@ -182,7 +223,7 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
     int64_t claimed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        void *sc = get_scratch(chunk_scratch_bytes(G));
+        void *sc = get_scratch(chunk_scratch_bytes(G, D));
         if (sc == NULL) failed = 1;
         // Items are claimed from a shared counter one ahead: a thread holding item it has
         // already claimed its next one, and prefetches that item's keys and values while it
@@ -216,23 +257,23 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
 #undef CHUNK_OF
 }
 
-int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                    int block_size, int H, int KVH, int D, const int64_t *query_start_loc,
-                    const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,
-                    const int32_t *block_tables, int64_t max_blocks, float scale, float *out,
-                    int nthreads) {
-    return attention_run(q, q_stride, k_cache, v_cache, 0, block_size, H, KVH, D,
-                         query_start_loc, seq_lens, seq_of_token, T, block_tables, max_blocks,
-                         scale, out, nthreads);
-}
-
-// The same over a bf16 cache (uint16 [num_blocks, block_size, KVH, D] each).
-int paged_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
-                         const uint16_t *v_cache, int block_size, int H, int KVH, int D,
-                         const int64_t *query_start_loc, const int64_t *seq_lens,
-                         const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
-                         int64_t max_blocks, float scale, float *out, int nthreads) {
-    return attention_run(q, q_stride, k_cache, v_cache, 1, block_size, H, KVH, D,
-                         query_start_loc, seq_lens, seq_of_token, T, block_tables, max_blocks,
-                         scale, out, nthreads);
-}
+// The entry points (ctypes; step.c's attn_fn): paged_attention over a float32 cache,
+// paged_attention_bf16 over a bf16 one (uint16 [num_blocks, block_size, KVH, D] each), and
+// the same two on AMX tiles (attention_amx.h's bf16 contract) where this build has them and
+// head_dim % 32 == 0, else as the first two: the _tiles pair for a model whose matmuls round
+// their activations to bf16 (--kernel-activations), chosen by the loader.
+#define ENTRY(name, KV_T, BF, TILES)                                                         \
+    int name(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,     \
+             int block_size, int H, int KVH, int D, const int64_t *query_start_loc,          \
+             const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,                \
+             const int32_t *block_tables, int64_t max_blocks, float scale, float *out,       \
+             int nthreads) {                                                                 \
+        return attention_run(q, q_stride, k_cache, v_cache, BF, block_size, H, KVH, D,       \
+                             query_start_loc, seq_lens, seq_of_token, T, block_tables,       \
+                             max_blocks, scale, out, nthreads, TILES);                       \
+    }
+ENTRY(paged_attention, float, 0, 0)
+ENTRY(paged_attention_bf16, uint16_t, 1, 0)
+ENTRY(paged_attention_tiles, float, 0, 1)
+ENTRY(paged_attention_bf16_tiles, uint16_t, 1, 1)
+#undef ENTRY

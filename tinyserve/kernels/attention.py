@@ -1,5 +1,6 @@
 """Paged attention through the block table (attention.c, AVX2 + FMA, float32 arithmetic on a
-float32 or bf16 cache).
+float32 or bf16 cache; on a CPU with AMX, q.k and p.v as bf16 products on its tiles,
+attention_amx.h).
 
 Reads each sequence's K/V where they lie in the paged cache — no gathered copy of the
 context, no padded mask — in chunks of 64 keys combined in order (flash-decoding, so one
@@ -22,10 +23,12 @@ from tinyserve.kernels.build import kernel_threads, load
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` (an attention.c build) with its entry points' signatures declared."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for f in (lib.paged_attention, lib.paged_attention_bf16):
+    for f in (lib.paged_attention, lib.paged_attention_bf16, lib.paged_attention_tiles,
+              lib.paged_attention_bf16_tiles):
         f.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
                       ctypes.c_float, p, i32]  # fmt: skip
         f.restype = ctypes.c_int
+    lib.attention_amx.argtypes, lib.attention_amx.restype = [], ctypes.c_int
     return lib
 
 
@@ -41,6 +44,13 @@ def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return library() is not None and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
 
 
+def uses_tiles(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether ``lib`` (default this CPU's build) computes heads of ``head_dim`` on AMX tiles
+    (or their emulation): bf16 q, k, v and p, float32 sums (attention_amx.h's contract)."""
+    lib = lib or library()
+    return lib is not None and bool(lib.attention_amx()) and head_dim % 32 == 0
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: any token stride, heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16
@@ -51,6 +61,7 @@ def paged_attention(
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
     scale: float,
     lib: ctypes.CDLL | None = None,  # another build (typed(); e.g. another ISA level)
+    tiles: bool = False,  # AMX tiles where the build has them (uses_tiles), else float32
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -58,7 +69,8 @@ def paged_attention(
     if num_tokens == 0:
         return out
     lib = lib or library()
-    fn = lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_attention
+    name = "paged_attention_bf16" if k_cache.dtype == torch.bfloat16 else "paged_attention"
+    fn = getattr(lib, name + ("_tiles" if tiles else ""))
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
         num_heads, num_kv_heads, head_dim, query_start_loc.data_ptr(), seq_lens.data_ptr(),

@@ -88,10 +88,11 @@ class StepPlan:
         cfg, attn = model.config, model.model.layers[0].self_attn
         libs = (gemm.library(), gemm.q8_library(), ops.library(), attention.library())
         self._lib = library()
+        tiles = "_tiles" if attn.tiles else ""  # the attention the Python loop calls
         self._struct = _Model(
             _fn(libs[0], "gemm"), _fn(libs[1], "qgemm"), _fn(libs[2], "rms_norm"),
             _fn(libs[2], "silu_and_mul"), _fn(libs[2], "rope_and_cache"),
-            _fn(libs[3], "paged_attention"), cfg.num_hidden_layers, cfg.hidden_size,
+            _fn(libs[3], "paged_attention" + tiles), cfg.num_hidden_layers, cfg.hidden_size,
             cfg.intermediate_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
             cfg.rms_norm_eps, attn.scale, layers,
         )  # fmt: skip
@@ -100,7 +101,7 @@ class StepPlan:
         self._cache_fns = {
             torch.float32: (self._struct.rope_and_cache, self._struct.paged_attention),
             torch.bfloat16: (_fn(libs[2], "rope_and_cache_bf16"),
-                             _fn(libs[3], "paged_attention_bf16")),
+                             _fn(libs[3], "paged_attention_bf16" + tiles)),
         }  # fmt: skip
 
     def _cache_ptrs(self, kv_caches) -> tuple[ctypes.Array, ctypes.Array]:

@@ -296,13 +296,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    tiles: bool = False,  # the kernel on AMX tiles (kernels/attention.py paged_attention)
 ) -> torch.Tensor:
     """Production path: the block-table kernel, or one SDPA call per group; no loop over
     sequences either way. The step's K/V must already be in the cache (write_kv_cache)."""
     if meta.kernel is not None:
         m = meta.kernel
         return kernel_attention(q, k_cache, v_cache, m.query_start_loc, m.seq_lens,
-                                m.seq_of_token, m.block_tables, scale)  # fmt: skip
+                                m.seq_of_token, m.block_tables, scale, tiles=tiles)  # fmt: skip
     if meta.groups and meta.groups[0].token_index is None:  # static_decode: the whole batch
         return decode_attention(q, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]

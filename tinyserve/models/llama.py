@@ -59,8 +59,10 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(config.q_size, hidden, False, dtype, tp)
         # RoPE + cache write in one kernel (kernels/ops.c), with the block-table attention;
-        # set once by the loader.
+        # set once by the loader, as is tiles: that attention on AMX tiles in bf16, for a
+        # model whose matmuls round activations to bf16 (kernels/attention_amx.h).
         self.use_kernel = False
+        self.tiles = False
 
     def forward(
         self,
@@ -76,7 +78,8 @@ class LlamaAttention(nn.Module):
             ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
                                self.num_heads, self.num_kv_heads)  # fmt: skip
             q = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            o = paged_attention(q[:, : self.num_heads], k_cache, v_cache, meta, self.scale)
+            o = paged_attention(q[:, : self.num_heads], k_cache, v_cache, meta, self.scale,
+                                self.tiles)
             return self.o_proj(o.reshape(-1, self.q_size), nd)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotated together: one set of elementwise ops instead of two.

@@ -140,7 +140,8 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
         "linear methods: %s (kernel activations %s); attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
         taken,
-        net.attention_backend,
+        net.attention_backend + (" on AMX tiles (bf16)" if net.model.layers[0].self_attn.tiles
+                                 else ""),
         net.model.step_plan is not None,
     )
 
@@ -220,6 +221,7 @@ def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
 
     cfg = net.config
     on = use_kernels and ops.library() is not None
+    tiles = on and net.attention_backend == "kernel" and attention_tiles(net)
     for m in net.modules():
         if isinstance(m, RMSNorm):
             m.use_kernel = on and cfg.hidden_size % 8 == 0
@@ -227,6 +229,18 @@ def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
             m.use_kernel = on and (cfg.intermediate_size // net.tp.size) % 8 == 0
         elif isinstance(m, LlamaAttention):
             m.use_kernel = on and net.attention_backend == "kernel" and cfg.head_dim % 16 == 0
+            m.tiles = m.use_kernel and tiles
+
+
+def attention_tiles(net: LlamaForCausalLM) -> bool:
+    """The block-table attention on AMX tiles (bf16 q, k, v and p; kernels/attention_amx.h):
+    where this CPU's attention build has them for the head size and the matmuls round their
+    activations to bf16 (--kernel-activations, default on AMX), so that the model runs at one
+    precision; --kernel-activations float32 keeps float32 attention too."""
+    from tinyserve.kernels import attention as attention_kernel
+
+    bf16 = any(getattr(m.method, "bf16", False) for m in net.linear_layers().values())
+    return bf16 and attention_kernel.uses_tiles(net.config.head_dim)
 
 
 def _with_progress(tensors, config: ModelConfig):

@@ -1,0 +1,305 @@
+// attention.c's chunk on AMX tiles (built at the ISA level "amx", or with
+// -DTINYSERVE_AMX_EMULATE on any CPU through amx_tile.h's scalar tiles): the same partial
+// (score maximum m, exp-sum l, weighted value sum o) of up to CHUNK keys for the queries of a
+// group of rows, with q.k and p.v as TDPBF16PS products instead of float32 FMAs. Included by
+// attention.c only (after attention_chunk.h: slot_ptrs, prefetch_next, next_t, attn_t).
+//
+// Per query (a row's head), whatever the other queries of its tile or group, the rows of the
+// step and the thread:
+//   qr = bf16(q), kr = bf16(k), vr = bf16(v) (nearest even, bf16_round below)
+//   s_j = scale * (0 + tdp(qr[0:32], kr_j[0:32])) + tdp(qr[32:64], ...) ...: the tile's sum of
+//         each 32 elements of d (amx_tile.h: two chains, then C + (te + to)), d in order
+//   m = max over the query's own keys j < n; e_j = exp256(s_j - m) (0 past its keys)
+//   p_j = bf16(e_j); l = the 8-lane sum of p_j over j in order, then hsum8
+//   o[d] = the tile's sum of p_j * vr_j[d] over each 32 keys in order from key 0
+// Keys past a query's own have p = 0 and keys past the chunk's zero k and v rows, so a tile
+// that spans more keys than a query sees adds exact zeros to it (its sums never hold -0):
+// a decode row alone, a prompt row among 15 others and a row after a prefix-cache hit get
+// the same bits. Only the (exact) packing differs from attention_chunk.h's float path;
+// requires D % 32 == 0 (else attention.c keeps the float chunk).
+#ifndef TINYSERVE_ATTENTION_AMX_H
+#define TINYSERVE_ATTENTION_AMX_H
+#include "amx_tile.h"
+
+#define ATTN_AMX 1
+
+// float32 -> bf16 bits, nearest even, a denormal becoming a zero of its sign: what
+// vcvtneps2bf16 does to finite inputs, in AVX2 integer arithmetic for the builds without
+// AVX512-BF16 (every build packs the same bits). 8 lanes, the bits in each int32's low half.
+INLINE __m256i bf16_round(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)),
+                                            _mm256_setzero_si256());
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
+    return _mm256_blendv_epi8(r, sign, tiny);
+}
+
+// 16 bf16 words from two vectors of 8 bf16 lanes (bf16_round's), in order.
+INLINE __m256i bf16_words(__m256i lo, __m256i hi) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+}
+
+// 32 floats -> 32 bf16 words.
+INLINE void to_bf16_32(const float *src, uint16_t *dst) {
+#ifdef __AVX512BF16__
+    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    _mm512_storeu_si512(dst, (__m512i)w);
+#else
+    for (int h = 0; h < 32; h += 16)
+        _mm256_storeu_si256((__m256i *)(dst + h),
+                            bf16_words(bf16_round(_mm256_loadu_ps(src + h)),
+                                       bf16_round(_mm256_loadu_ps(src + h + 8))));
+#endif
+}
+
+// 8x8 int32 transpose in registers.
+INLINE void transpose8(__m256i r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+        t[i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        r[i + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+// Values d .. d+15 of keys j and j + 1 (j + 1 < n when hi) as 16 pairs (v_j[d], v_j+1[d]).
+INLINE void value_pairs16(const void *vj, const void *vj1, int64_t d, int hi, uint32_t *dst,
+                          const int BF) {
+#ifdef __AVX512BF16__
+    __m512i w;
+    if (BF) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)((const uint16_t *)vj + d));
+        const __m256i b = hi ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)vj1 + d))
+                             : _mm256_setzero_si256();
+        w = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    } else {
+        const __m512 b = hi ? _mm512_loadu_ps((const float *)vj1 + d) : _mm512_setzero_ps();
+        w = (__m512i)_mm512_cvtne2ps_pbh(b, _mm512_loadu_ps((const float *)vj + d));
+    }
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(zip, w));
+#else
+    for (int h = 0; h < 16; h += 8) {
+        __m256i lo, up = _mm256_setzero_si256();
+        if (BF) {
+            lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)vj + d + h)));
+            if (hi) up = _mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                              _mm_loadu_si128((const __m128i *)((const uint16_t *)vj1 + d + h))), 16);
+        } else {
+            lo = bf16_round(_mm256_loadu_ps((const float *)vj + d + h));
+            if (hi) up = _mm256_slli_epi32(bf16_round(_mm256_loadu_ps((const float *)vj1 + d + h)), 16);
+        }
+        _mm256_storeu_si256((__m256i *)(dst + h), _mm256_or_si256(lo, up));
+    }
+#endif
+}
+
+// The tiles' operands of one chunk (D elements per head, nk keys of which n are real, the
+// rest zeros):
+//   kt  [D/32][nk/16] B tiles: row r, column c = key c's pair (d 2r, 2r+1) of that 32 of d
+//   vt  [nk/32][D/16] B tiles: row r, column c = (v_2r[d_c], v_2r+1[d_c]) of 32 keys x 16 d
+// kr [CHUNK][D/2] scratch: the keys' rows as bf16 pairs before the transpose.
+static void amx_pack_kv(const void *const *kp, const void *const *vp, int n, int nk, int D,
+                        uint32_t *kr, uint32_t *kt, uint32_t *vt, const int BF) {
+    const int hd = D / 2, nkb = nk / 16, nd = D / 16;
+    for (int j = 0; j < n; j++) {
+        if (BF) memcpy(kr + j * hd, kp[j], D * 2);
+        else for (int d = 0; d < D; d += 32) to_bf16_32((const float *)kp[j] + d, (uint16_t *)(kr + j * hd + d / 2));
+    }
+    memset(kr + n * hd, 0, (size_t)(nk - n) * hd * 4);
+    for (int j0 = 0; j0 < nk; j0 += 8)
+        for (int e0 = 0; e0 < hd; e0 += 8) {  // pairs e0 .. e0+7 of keys j0 .. j0+7
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(kr + (j0 + i) * hd + e0));
+            transpose8(r);  // r[i]: pair e0 + i of the 8 keys
+            for (int i = 0; i < 8; i++) {
+                const int e = e0 + i;
+                uint32_t *dst = kt + ((e / 16) * nkb + j0 / 16) * 256 + (e % 16) * 16 + j0 % 16;
+                _mm256_storeu_si256((__m256i *)dst, r[i]);
+            }
+        }
+    for (int j = 0; j < nk; j += 2) {
+        uint32_t *row = vt + (j / 32) * nd * 256 + ((j % 32) / 2) * 16;
+        if (j >= n) {
+            for (int db = 0; db < nd; db++) memset(row + db * 256, 0, 64);
+            continue;
+        }
+        for (int d = 0; d < D; d += 16)
+            value_pairs16(vp[j], j + 1 < n ? vp[j + 1] : vp[j], d, j + 1 < n, row + (d / 16) * 256, BF);
+    }
+}
+
+// One query's softmax over its nr keys of a chunk's nk (sr: its raw q.k sums, CHUNK floats):
+// out[0] = m, out[1] = l, pr [nk] the bf16 p (zeros past nr). l sums p_j into 16 lanes by
+// j % 16 in order of j, then adds the halves lane by lane and hsum8s: the same bits from the
+// 16-lane and the 8-lane code.
+INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, float *out) {
+#ifdef __AVX512BF16__
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < nr; j += 16) {
+        const __mmask16 k = nr - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nr - j)) - 1);
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), k,
+                                            _mm512_mul_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(sr + j, s);
+        mx = _mm512_max_ps(mx, s);
+    }
+    out[0] = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(out[0]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < nk; j += 16) {
+        __m256i w = _mm256_setzero_si256();
+        if (j < nr) {
+            const __mmask16 k = nr - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nr - j)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+            w = (__m256i)_mm512_cvtneps_pbh(e);
+            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16)));
+        }
+        _mm256_storeu_si256((__m256i *)(pr + j), w);
+    }
+    out[1] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(sum),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))));
+#else
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < nr; j += 8) {
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nr - j), iota));
+        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                          _mm256_mul_ps(_mm256_loadu_ps(sr + j), scale8), keep);
+        _mm256_storeu_ps(sr + j, s);
+        mx = _mm256_max_ps(mx, s);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    out[0] = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 mv = _mm256_set1_ps(out[0]);
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int j = 0; j < nk; j += 16) {
+        __m256i w[2];
+        for (int h = 0; h < 2; h++) {
+            const int jj = j + 8 * h;
+            w[h] = _mm256_setzero_si256();
+            if (jj < nr) {
+                const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nr - jj), iota));
+                const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + jj), mv)), keep);
+                w[h] = bf16_round(e);
+                sum[h] = _mm256_add_ps(sum[h], _mm256_castsi256_ps(_mm256_slli_epi32(w[h], 16)));
+            }
+        }
+        _mm256_storeu_si256((__m256i *)(pr + j), bf16_words(w[0], w[1]));
+    }
+    out[1] = hsum8(_mm256_add_ps(sum[0], sum[1]));
+#endif
+}
+
+// chunk_partials (attention_chunk.h's contract of arguments; numerics above). scratch:
+// chunk_scratch_amx_bytes. Tiles (tile_config_split(mq, 6)): 0-3 four C tiles (four key
+// blocks of scores, or four 16-wide slices of the outputs) so that four multiplies are in
+// flight, 4 the A tile (queries or p), 6-7 the B tiles (keys or values).
+static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stride, int R,
+                                 const int *n_row, const int32_t *table, int64_t g, int64_t j0,
+                                 float *const *parts, void *scratch, const next_t *next,
+                                 const int BF) {
+    const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1];
+    const int nk = (n + 31) / 32 * 32, nkb = nk / 16, ns = D / 32, nd = D / 16;
+    const void **kp = (const void **)scratch, **vp = kp + CHUNK;
+    const void **nkp = vp + CHUNK, **nvp = nkp + CHUNK;
+    char *base = (char *)(nvp + CHUNK);
+    uint32_t *kr = (uint32_t *)base, *kt = kr + CHUNK * D / 2, *vt = kt + CHUNK * D / 2;
+    uint16_t *qb = (uint16_t *)(vt + CHUNK * D / 2);  // [16][D]
+    uint16_t *pb = qb + TILE_ROWS * D;  // [16][CHUNK]
+    float *sb = (float *)(pb + TILE_ROWS * CHUNK);  // [16][CHUNK], then [16][D] outputs
+    const int64_t esize = BF ? 2 : 4;
+    slot_ptrs(a, table, g, j0, n, kp, vp, esize);
+    amx_pack_kv(kp, vp, n, nk, D, kr, kt, vt, BF);
+    // The next chunk's lines, spread over this chunk's phases (three per query tile): all at
+    // once, the prefetches stalled on the line fill buffers (~20% of a prefill's time).
+    const int nn = next ? next->n : 0, lpr = (int)((D * esize + 63) / 64);
+    const int per = (2 * nn * lpr + 3 * ((M + TILE_ROWS - 1) / TILE_ROWS) - 1) /
+                    (3 * ((M + TILE_ROWS - 1) / TILE_ROWS));
+    int pf_at = 0;
+    if (nn) slot_ptrs(a, next->table, next->g, next->j0, nn, nkp, nvp, esize);
+#define PREFETCH_SOME() if (nn) prefetch_next(nkp, nvp, nn, lpr, &pf_at, per)
+    for (int m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int mq = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
+        for (int i = 0; i < mq; i++) {  // query m0 + i: row (m0+i) / G, head g * G + (m0+i) % G
+            const int m = m0 + i;
+            const float *qr = q + (m / G) * q_stride + (g * G + m % G) * D;
+            for (int d = 0; d < D; d += 32) to_bf16_32(qr + d, qb + i * D + d);
+        }
+        tile_config_split(mq, 6);
+        // Scores: the key blocks c < nkb (at most 4), each summed over d in order.
+#define IF_C(C, ...) if ((C) < nc) __VA_ARGS__
+#define SCORE(C, BT) IF_C(C, { TILE_LOAD(BT, kt + (s * nkb + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
+        {
+            const int nc = nkb;
+            IF_C(0, TILE_ZERO(0)); IF_C(1, TILE_ZERO(1)); IF_C(2, TILE_ZERO(2)); IF_C(3, TILE_ZERO(3));
+            for (int s = 0; s < ns; s++) {
+                TILE_LOAD(4, qb + s * 32, D * 2);
+                SCORE(0, 6); SCORE(1, 7); SCORE(2, 6); SCORE(3, 7);
+            }
+            IF_C(0, TILE_STORE(0, sb, CHUNK * 4)); IF_C(1, TILE_STORE(1, sb + 16, CHUNK * 4));
+            IF_C(2, TILE_STORE(2, sb + 32, CHUNK * 4)); IF_C(3, TILE_STORE(3, sb + 48, CHUNK * 4));
+        }
+#undef SCORE
+        PREFETCH_SOME();
+        for (int i = 0; i < mq; i++) {
+            const int m = m0 + i;
+            softmax_row(sb + i * CHUNK, n_row[m / G], nk, a->scale, pb + i * CHUNK,
+                        parts[m / G] + (m % G) * (D + 2));
+        }
+        PREFETCH_SOME();
+        // Outputs: four 16-wide slices of d at a time, each summed over the keys in order.
+        float *ob = sb;  // the scores are spent: the outputs [16][D]
+#define WSUM(C, BT) IF_C(C, { TILE_LOAD(BT, vt + (t * nd + db + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
+        for (int db = 0; db < nd; db += 4) {
+            const int nc = nd - db < 4 ? nd - db : 4;
+            IF_C(0, TILE_ZERO(0)); IF_C(1, TILE_ZERO(1)); IF_C(2, TILE_ZERO(2)); IF_C(3, TILE_ZERO(3));
+            for (int t = 0; t < nk / 32; t++) {
+                TILE_LOAD(4, pb + t * 32, CHUNK * 2);
+                WSUM(0, 6); WSUM(1, 7); WSUM(2, 6); WSUM(3, 7);
+            }
+            float *o = ob + db * 16;
+            IF_C(0, TILE_STORE(0, o, D * 4)); IF_C(1, TILE_STORE(1, o + 16, D * 4));
+            IF_C(2, TILE_STORE(2, o + 32, D * 4)); IF_C(3, TILE_STORE(3, o + 48, D * 4));
+        }
+#undef WSUM
+#undef IF_C
+        PREFETCH_SOME();
+        for (int i = 0; i < mq; i++) {
+            const int m = m0 + i;
+            memcpy(parts[m / G] + (m % G) * (D + 2) + 2, ob + i * D, D * sizeof(float));
+        }
+    }
+    TILE_RELEASE();
+#undef PREFETCH_SOME
+}
+
+// Bytes of chunk_partials_amx's scratch (D elements per head).
+static int64_t chunk_scratch_amx_bytes(int D) {
+    return 4 * CHUNK * (int64_t)sizeof(void *) + 3 * CHUNK * D / 2 * 4 + TILE_ROWS * D * 2 +
+           TILE_ROWS * CHUNK * 2 + TILE_ROWS * (CHUNK > D ? CHUNK : D) * 4;
+}
+
+static void chunk_partials_amx(const attn_t *a, const float *q, int64_t q_stride, int R,
+                               const int *n_row, const int32_t *table, int64_t g, int64_t j0,
+                               float *const *parts, void *scratch, const next_t *next) {
+    if (a->bf16) chunk_partials_amx_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, next, 1);
+    else chunk_partials_amx_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, next, 0);
+}
+
+#endif

@@ -201,7 +201,7 @@ def parse_size(text: str | int) -> int:
 
 
 # --kv-cache-dtype: "auto" is the model's dtype (worker/kv_cache.py: resolve_kv_cache_dtype).
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,11 @@ class ServerConfig:
     log_requests: bool = False
     # Request bodies above this are refused with 413 before they are read in full.
     max_request_bytes: int = 4 << 20
-    metrics_require_key: bool = False
+    # With api_key: the paths that answer without it (exact, or "/folder/*"): the liveness
+    # probe and the playground's static files (no data; the page asks for the key). Every
+    # other route needs the key; metrics_no_key adds /metrics for a scraper.
+    open_routes: tuple[str, ...] = ("/health", "/", "/playground/*")
+    metrics_no_key: bool = False
     # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
     shutdown_timeout: float = 30.0
 
@@ -277,3 +281,13 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        for route in self.open_routes:
+            if not route.startswith("/") or "*" in route[:-1] or route == "/*":
+                raise ValueError(
+                    f"open_routes: {route!r} is not a path ('/health') or a folder "
+                    "('/playground/*'; '/*' would open every route)"
+                )
+
+    @property
+    def routes_without_key(self) -> tuple[str, ...]:
+        return self.open_routes + (("/metrics",) if self.metrics_no_key else ())

@@ -41,17 +41,34 @@ def test_greedy_with_a_bf16_cache_follows_the_float32_one(smol_path):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     reqs = [(str(i), p, params) for i, p in enumerate(prompts)]
     out = {}
-    for dtype in ("auto", "bfloat16"):
+    for dtype in ("float32", "bfloat16"):
         eng = build_engine(
             model=smol_path, num_blocks=64, load_tokenizer=False, kv_cache_dtype=dtype
         )
         out[dtype] = run_batch(eng, reqs)
     same = 0
     for rid, _, _ in reqs:
-        a, b = out["auto"][rid].token_ids, out["bfloat16"][rid].token_ids
+        a, b = out["float32"][rid].token_ids, out["bfloat16"][rid].token_ids
         assert a[0] == b[0], rid
         same += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
     assert same >= 0.75 * 16 * len(reqs), same
+
+
+@needs_kernels
+def test_auto_is_a_bf16_cache_exactly_where_attention_runs_on_tiles(smol_path):
+    """On AMX the tiles round K and V to bf16 as they load them: "auto" stores them so (half
+    the bytes), and a float32 cache gives the very same tokens; elsewhere "auto" is float32."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [(str(i), random_prompt(30, seed=i, vocab=49152), params) for i in range(3)]
+    auto = build_engine(model=smol_path, num_blocks=64, load_tokenizer=False)
+    tiles = attention_kernel.uses_tiles(64) and auto.executor.model.model.layers[0].self_attn.tiles
+    assert auto.executor.kv_dtype == (torch.bfloat16 if tiles else torch.float32)
+    if tiles:
+        f32 = build_engine(model=smol_path, num_blocks=64, load_tokenizer=False,
+                           kv_cache_dtype="float32")  # fmt: skip
+        assert f32.executor.kv_dtype == torch.float32
+        a, b = run_batch(auto, reqs), run_batch(f32, reqs)
+        assert all(a[r].token_ids == b[r].token_ids for r, _, _ in reqs)
 
 
 def test_what_cannot_be_served_is_refused_by_name(tiny_qwen2_path):
@@ -63,6 +80,9 @@ def test_what_cannot_be_served_is_refused_by_name(tiny_qwen2_path):
     eng = tiny_engine(tiny_qwen2_path, dtype="bfloat16", cpu_kernels=False,
                       kv_cache_dtype="bfloat16")  # fmt: skip
     assert eng.executor.kv_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' needs a float32 model"):
+        tiny_engine(tiny_qwen2_path, dtype="bfloat16", cpu_kernels=False,
+                    kv_cache_dtype="float32")  # fmt: skip
 
 
 def test_the_cli_flag_reaches_the_engine_args():

@@ -48,6 +48,14 @@ static inline void tile_config_fill_split(tile_config_t *c, int rows, int first1
     }
 }
 
+// Any shapes: tile t with rows[t] rows of colsb[t] bytes.
+static inline void tile_config_fill_shapes(tile_config_t *c, const uint8_t rows[8],
+                                           const uint16_t colsb[8]) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    for (int t = 0; t < 8; t++) c->rows[t] = rows[t], c->colsb[t] = colsb[t];
+}
+
 #ifndef TINYSERVE_AMX_EMULATE
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -67,6 +75,11 @@ static inline void tile_config_split(int rows, int first16) {
     tile_config_fill_split(&c, rows, first16);
     _tile_loadconfig(&c);
 }
+static inline void tile_config_shapes(const uint8_t rows[8], const uint16_t colsb[8]) {
+    tile_config_t c;
+    tile_config_fill_shapes(&c, rows, colsb);
+    _tile_loadconfig(&c);
+}
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
 #define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
@@ -82,6 +95,9 @@ static __thread tile_config_t tcfg;
 static inline void tile_config(int colsb, int rows) { tile_config_fill(&tcfg, colsb, rows); }
 static inline void tile_config_split(int rows, int first16) {
     tile_config_fill_split(&tcfg, rows, first16);
+}
+static inline void tile_config_shapes(const uint8_t rows[8], const uint16_t colsb[8]) {
+    tile_config_fill_shapes(&tcfg, rows, colsb);
 }
 static inline float bf16_daz(uint16_t h) {
     uint32_t u = (h & 0x7F80) ? (uint32_t)h << 16 : (uint32_t)(h & 0x8000) << 16;

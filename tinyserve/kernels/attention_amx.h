@@ -112,16 +112,17 @@ INLINE void value_pairs16(const void *vj, const void *vj1, int64_t d, int hi, ui
 // rest zeros):
 //   kt  [D/32][nk/16] B tiles: row r, column c = key c's pair (d 2r, 2r+1) of that 32 of d
 //   vt  [nk/32][D/16] B tiles: row r, column c = (v_2r[d_c], v_2r+1[d_c]) of 32 keys x 16 d
-// kr [CHUNK][D/2] scratch: the keys' rows as bf16 pairs before the transpose.
+// kr [CHUNK][D/2]: the keys' rows as bf16 pairs (before the transpose; the A tiles of the
+// few-query form below).
 static void amx_pack_kv(const void *const *kp, const void *const *vp, int n, int nk, int D,
-                        uint32_t *kr, uint32_t *kt, uint32_t *vt, const int BF) {
+                        uint32_t *kr, uint32_t *kt, uint32_t *vt, const int BF) {  // kt NULL: no transpose
     const int hd = D / 2, nkb = nk / 16, nd = D / 16;
     for (int j = 0; j < n; j++) {
         if (BF) memcpy(kr + j * hd, kp[j], D * 2);
         else for (int d = 0; d < D; d += 32) to_bf16_32((const float *)kp[j] + d, (uint16_t *)(kr + j * hd + d / 2));
     }
     memset(kr + n * hd, 0, (size_t)(nk - n) * hd * 4);
-    for (int j0 = 0; j0 < nk; j0 += 8)
+    for (int j0 = 0; j0 < (kt ? nk : 0); j0 += 8)
         for (int e0 = 0; e0 < hd; e0 += 8) {  // pairs e0 .. e0+7 of keys j0 .. j0+7
             __m256i r[8];
             for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(kr + (j0 + i) * hd + e0));
@@ -206,6 +207,75 @@ INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, fl
 #endif
 }
 
+// Up to this many queries (one A tile) a chunk runs in the transposed form below: a decode
+// row (G queries) or a short verification run.
+#ifndef AMX_FEW_QUERIES
+#define AMX_FEW_QUERIES 16
+#endif
+
+// The chunk for M <= 16 queries with the scores transposed, S^T = K Q^T: the keys' bf16 rows
+// are the A tiles as they are (no transpose of 64 keys for a few queries), Q^T (pairs of d x
+// queries) the B tile. Per (key, query) the tile sums the same products in the same order as
+// q.k in the main form (k_2p q_2p = q_2p k_2p exactly), and p.v is the main form's, so both
+// give the same bits: which one runs may follow M. Tiles: 0-1 S^T (16 keys x M), 2 the keys,
+// 3 Q^T, 4-5 the outputs (M x 16 of d), 6 p, 7 the values.
+static void chunk_few_queries(const attn_t *a, const float *q, int64_t q_stride, int64_t g, int M,
+                              const int *n_row, int nk, const uint32_t *kr, uint32_t *qt,
+                              const uint32_t *vt, uint16_t *qb, uint16_t *pb, float *sb,
+                              float *srow, float *const *parts) {
+    const int G = a->H / a->KVH, D = a->D, hd = D / 2, ns = D / 32, nd = D / 16, nkb = nk / 16;
+    for (int m = 0; m < M; m++) {  // query m: row m / G, head g * G + m % G
+        const float *qr = q + (m / G) * q_stride + (g * G + m % G) * D;
+        for (int d = 0; d < D; d += 32) to_bf16_32(qr + d, qb + m * D + d);
+        const uint32_t *row = (const uint32_t *)(qb + m * D);
+        for (int e = 0; e < hd; e++) qt[(e / 16) * 256 + (e % 16) * 16 + m] = row[e];
+    }
+    const uint8_t rows[8] = {16, 16, 16, 16, (uint8_t)M, (uint8_t)M, (uint8_t)M, 16};
+    const uint16_t colsb[8] = {(uint16_t)(4 * M), (uint16_t)(4 * M), 64, (uint16_t)(4 * M),
+                               64, 64, 64, 64};
+    tile_config_shapes(rows, colsb);
+    float *st = sb;  // [nk][16]: key j's scores at st + 16 j
+    for (int kb = 0; kb < nkb; kb += 2) {
+        const int two = kb + 1 < nkb;
+        TILE_ZERO(0);
+        if (two) TILE_ZERO(1);
+        for (int s = 0; s < ns; s++) {
+            TILE_LOAD(3, qt + s * 256, 64);
+            TILE_LOAD(2, kr + kb * 16 * hd + s * 16, hd * 4);
+            TILE_DPBF16(0, 2, 3);
+            if (two) {
+                TILE_LOAD(2, kr + (kb + 1) * 16 * hd + s * 16, hd * 4);
+                TILE_DPBF16(1, 2, 3);
+            }
+        }
+        TILE_STORE(0, st + kb * 256, 64);
+        if (two) TILE_STORE(1, st + (kb + 1) * 256, 64);
+    }
+    for (int m = 0; m < M; m++) {
+        float *sr = srow + m * CHUNK;
+        for (int j = 0; j < nk; j++) sr[j] = st[j * 16 + m];
+        softmax_row(sr, n_row[m / G], nk, a->scale, pb + m * CHUNK, parts[m / G] + (m % G) * (D + 2));
+    }
+    float *ob = sb;  // [M][D]
+    for (int db = 0; db < nd; db += 2) {
+        const int two = db + 1 < nd;
+        TILE_ZERO(4);
+        if (two) TILE_ZERO(5);
+        for (int t = 0; t < nk / 32; t++) {
+            TILE_LOAD(6, pb + t * 32, CHUNK * 2);
+            TILE_LOAD(7, vt + (t * nd + db) * 256, 64);
+            TILE_DPBF16(4, 6, 7);
+            if (two) {
+                TILE_LOAD(7, vt + (t * nd + db + 1) * 256, 64);
+                TILE_DPBF16(5, 6, 7);
+            }
+        }
+        TILE_STORE(4, ob + db * 16, D * 4);
+        if (two) TILE_STORE(5, ob + (db + 1) * 16, D * 4);
+    }
+    for (int m = 0; m < M; m++) memcpy(parts[m / G] + (m % G) * (D + 2) + 2, ob + m * D, D * sizeof(float));
+}
+
 // chunk_partials (attention_chunk.h's contract of arguments; numerics above). scratch:
 // chunk_scratch_amx_bytes. Tiles (tile_config_split(mq, 6)): 0-3 four C tiles (four key
 // blocks of scores, or four 16-wide slices of the outputs) so that four multiplies are in
@@ -217,23 +287,27 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
     const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1];
     const int nk = (n + 31) / 32 * 32, nkb = nk / 16, ns = D / 32, nd = D / 16;
     const void **kp = (const void **)scratch, **vp = kp + CHUNK;
-    const void **nkp = vp + CHUNK, **nvp = nkp + CHUNK;
-    char *base = (char *)(nvp + CHUNK);
+    char *base = (char *)(vp + 3 * CHUNK);
     uint32_t *kr = (uint32_t *)base, *kt = kr + CHUNK * D / 2, *vt = kt + CHUNK * D / 2;
     uint16_t *qb = (uint16_t *)(vt + CHUNK * D / 2);  // [16][D]
     uint16_t *pb = qb + TILE_ROWS * D;  // [16][CHUNK]
     float *sb = (float *)(pb + TILE_ROWS * CHUNK);  // [16][CHUNK], then [16][D] outputs
-    const int64_t esize = BF ? 2 : 4;
+    float *srow = sb + TILE_ROWS * (CHUNK > D ? CHUNK : D);  // [16][CHUNK] (few queries)
+    const int64_t esize = BF ? 2 : 4, few = M <= AMX_FEW_QUERIES;
     slot_ptrs(a, table, g, j0, n, kp, vp, esize);
-    amx_pack_kv(kp, vp, n, nk, D, kr, kt, vt, BF);
-    // The next chunk's lines, spread over this chunk's phases (three per query tile): all at
-    // once, the prefetches stalled on the line fill buffers (~20% of a prefill's time).
-    const int nn = next ? next->n : 0, lpr = (int)((D * esize + 63) / 64);
-    const int per = (2 * nn * lpr + 3 * ((M + TILE_ROWS - 1) / TILE_ROWS) - 1) /
-                    (3 * ((M + TILE_ROWS - 1) / TILE_ROWS));
-    int pf_at = 0;
-    if (nn) slot_ptrs(a, next->table, next->g, next->j0, nn, nkp, nvp, esize);
-#define PREFETCH_SOME() if (nn) prefetch_next(nkp, nvp, nn, lpr, &pf_at, per)
+    amx_pack_kv(kp, vp, n, nk, D, kr, few ? NULL : kt, vt, BF);
+    // No prefetch of the next chunk (attention_chunk.h's float chunk has one): the tile work
+    // is too short to hide it behind. Issued in a burst after the tiles, or a few lines per
+    // key as the keys are packed, it stalled on the line fill buffers and made a decode
+    // row's chunks 1.15-1.4x slower than without (30 layers x 32 rows x 1500 keys: 116 and
+    // 109 ms against 107; prefill level either way); the hardware's streamer follows a
+    // block's contiguous slots.
+    (void)next;
+    if (few) {
+        chunk_few_queries(a, q, q_stride, g, M, n_row, nk, kr, kt, vt, qb, pb, sb, srow, parts);
+        TILE_RELEASE();
+        return;
+    }
     for (int m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int mq = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
         for (int i = 0; i < mq; i++) {  // query m0 + i: row (m0+i) / G, head g * G + (m0+i) % G
@@ -256,13 +330,11 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
             IF_C(2, TILE_STORE(2, sb + 32, CHUNK * 4)); IF_C(3, TILE_STORE(3, sb + 48, CHUNK * 4));
         }
 #undef SCORE
-        PREFETCH_SOME();
         for (int i = 0; i < mq; i++) {
             const int m = m0 + i;
             softmax_row(sb + i * CHUNK, n_row[m / G], nk, a->scale, pb + i * CHUNK,
                         parts[m / G] + (m % G) * (D + 2));
         }
-        PREFETCH_SOME();
         // Outputs: four 16-wide slices of d at a time, each summed over the keys in order.
         float *ob = sb;  // the scores are spent: the outputs [16][D]
 #define WSUM(C, BT) IF_C(C, { TILE_LOAD(BT, vt + (t * nd + db + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
@@ -279,20 +351,18 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
         }
 #undef WSUM
 #undef IF_C
-        PREFETCH_SOME();
         for (int i = 0; i < mq; i++) {
             const int m = m0 + i;
             memcpy(parts[m / G] + (m % G) * (D + 2) + 2, ob + i * D, D * sizeof(float));
         }
     }
     TILE_RELEASE();
-#undef PREFETCH_SOME
 }
 
 // Bytes of chunk_partials_amx's scratch (D elements per head).
 static int64_t chunk_scratch_amx_bytes(int D) {
     return 4 * CHUNK * (int64_t)sizeof(void *) + 3 * CHUNK * D / 2 * 4 + TILE_ROWS * D * 2 +
-           TILE_ROWS * CHUNK * 2 + TILE_ROWS * (CHUNK > D ? CHUNK : D) * 4;
+           TILE_ROWS * CHUNK * 2 + TILE_ROWS * (CHUNK > D ? CHUNK : D) * 4 + TILE_ROWS * CHUNK * 4;
 }
 
 static void chunk_partials_amx(const attn_t *a, const float *q, int64_t q_stride, int R,

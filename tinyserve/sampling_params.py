@@ -6,6 +6,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tinyserve.utils.regex_size import check_regex, schema_patterns
+
 _MAX_STOP_STRINGS = 64
 _MAX_STOP_STRING_LEN = 512
 _MAX_N = 16
@@ -40,6 +42,13 @@ class StructuredOutputsParams:
                 raise ValueError(f"{self.field}: json is not valid JSON: {e}") from None
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"{self.field}: json must be a JSON schema object")
+        # Regexes are sized here, when the request arrives (a 400), not mid-answer.
+        if self.regex is not None:
+            check_regex(self.regex, self.field)
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            for pattern in schema_patterns(schema):
+                check_regex(pattern, self.field)
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):

@@ -145,7 +145,8 @@ def test_api_key(fake_server):
                 c.models.list()
 
 
-def test_api_key_guards_every_route_but_health_metrics_and_the_page(fake_server):
+def test_api_key_guards_every_route_but_health_and_the_page(fake_server):
+    """/metrics included (issue 37: it was open under a key); test_security.py: the flags."""
     from starlette.routing import Route
 
     def all_routes(routes):  # FastAPI keeps an included router's routes on the router
@@ -160,7 +161,7 @@ def test_api_key_guards_every_route_but_health_metrics_and_the_page(fake_server)
                 continue
             for method in sorted(route.methods - {"HEAD"}):
                 r = httpx.request(method, s.url(route.path), json={})
-                if route.path in ("/health", "/metrics", "/"):
+                if route.path in ("/health", "/"):
                     assert r.status_code == 200, (method, route.path)
                 elif route.path == "/playground/{name}":  # the page's files: no key, no such file
                     assert_error(r, 404)
@@ -169,8 +170,8 @@ def test_api_key_guards_every_route_but_health_metrics_and_the_page(fake_server)
                     checked.append(f"{method} {route.path}")
         assert {"POST /v1/chat/completions", "GET /openapi.json", "GET /docs",
                 "POST /v1/responses", "GET /v1/responses/{response_id}"} <= set(checked)  # fmt: skip
-        assert {"GET /v1/engine/events", "GET /v1/engine/snapshot"} <= set(checked)
-        assert len(checked) == 11, checked
+        assert {"GET /v1/engine/events", "GET /v1/engine/snapshot", "GET /metrics"} <= set(checked)
+        assert len(checked) == 12, checked
         good = {"Authorization": "Bearer s3cret"}
         schema = httpx.get(s.url("/openapi.json"), headers=good).json()
         assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]
@@ -251,32 +252,14 @@ def test_body_over_max_request_bytes_is_413(fake_server):
         assert c.get("/health").status_code == 200
 
 
-def test_metrics_require_key_flag(fake_server, monkeypatch):
-    ns = build_parser().parse_args(
-        ["serve", "--metrics-require-key", "--max-request-bytes", "2048"]
-    )
+def test_max_request_bytes_flag(fake_server, monkeypatch):
+    ns = build_parser().parse_args(["serve", "--max-request-bytes", "2048"])
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    config = server_config_from_namespace(ns)
-    assert config.metrics_require_key and config.max_request_bytes == 2048
+    assert server_config_from_namespace(ns).max_request_bytes == 2048
     with pytest.raises(ValueError, match="max_request_bytes"):
         server_config_from_namespace(
             build_parser().parse_args(["serve", "--max-request-bytes", "1"])
         )
-
-
-@pytest.mark.parametrize("require", [False, True])
-def test_metrics_key_is_required_only_with_the_flag(fake_server, require):
-    opts = {"metrics_require_key": require}
-    with fake_server(api_key="sekret", server_options=opts) as s:
-        with httpx.Client(base_url=s.base_url, timeout=30) as c:
-            open_metrics = c.get("/metrics")
-            if require:
-                assert_error(open_metrics, 401)
-                ok = c.get("/metrics", headers={"Authorization": "Bearer sekret"})
-                assert ok.status_code == 200 and "tinyserve:" in ok.text
-            else:
-                assert open_metrics.status_code == 200
-            assert c.get("/health").status_code == 200  # always open
 
 
 @pytest.mark.parametrize("log_requests", [False, True])

@@ -4,9 +4,11 @@
 own); ``create_app(engine_args, server_config)`` loads the model first; ``run_server(ns)`` is
 the CLI entry. Server state lives on ``app.state``; nothing is global.
 
-With an API key (``--api-key`` or $TINYSERVE_API_KEY) every route needs
-``Authorization: Bearer <key>`` (the /v1 routes, /tokenize, /detokenize, /openapi.json, /docs)
-but /health, and /metrics unless ``--metrics-require-key``. Bodies over ``--max-request-bytes`` get 413 before they are read.
+With an API key (``--api-key`` or $TINYSERVE_API_KEY) every path needs
+``Authorization: Bearer <key>`` (http_guards.APIKeyGuard: the /v1 routes, /tokenize,
+/detokenize, /metrics, the engine view, /openapi.json, /docs, unknown paths) except those the
+operator leaves open: ``--open-routes`` (default /health and the playground's static files)
+and ``--metrics-no-key``. Bodies over ``--max-request-bytes`` get 413 before they are read.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.engine_events import engine_events_router
-from tinyserve.entrypoints.http_guards import BodySizeLimit, check_api_key, install_error_handlers
+from tinyserve.entrypoints.http_guards import (
+    APIKeyGuard,
+    BodySizeLimit,
+    check_api_key,
+    install_error_handlers,
+)
 from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.entrypoints.playground import playground_router
 from tinyserve.entrypoints.protocol import OpenAIError
@@ -95,15 +102,14 @@ def _router() -> APIRouter:
     return api
 
 
-def _metrics_route(api: APIRouter) -> None:
+def _monitoring_router() -> APIRouter:
+    """/health and /metrics: behind the key like every route unless --open-routes /
+    --metrics-no-key leave them open (APIKeyGuard; /health is open by default)."""
+    api = APIRouter()
+
     @api.get("/metrics", response_class=Response)
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
-
-
-def _open_router(with_metrics: bool) -> APIRouter:
-    """Routes without the API key (monitoring)."""
-    api = APIRouter()
 
     @api.get("/health", responses={503: {"model": P.ErrorResponse}})
     async def health(request: Request) -> Response:
@@ -113,8 +119,6 @@ def _open_router(with_metrics: bool) -> APIRouter:
         reason = engine.dead_reason or "the engine is not running"
         return OpenAIError(503, reason, "service_unavailable_error", code="engine_dead").response()
 
-    if with_metrics:
-        _metrics_route(api)
     return api
 
 
@@ -161,16 +165,15 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     app.state.api_key = config.api_key
     app.state.max_request_bytes = config.max_request_bytes
     app.state.model_root = info.model_path or model_name
-    api = _router()
-    if config.metrics_require_key:
-        _metrics_route(api)
-    app.include_router(api)
+    app.include_router(_router())
     app.include_router(responses_router())
     app.include_router(engine_events_router())
-    app.include_router(_open_router(with_metrics=not config.metrics_require_key))
+    app.include_router(_monitoring_router())
     app.include_router(playground_router())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    # Added last, so it runs first: a request without the key is refused before its body.
+    app.add_middleware(APIKeyGuard, api_key=config.api_key, open_routes=config.routes_without_key)
     return app
 
 
@@ -202,11 +205,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="the model name clients send (default: the model's)",
     )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})",
-    )
+    _add_key_args(p)
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -225,11 +224,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="refuse request bodies larger than this with 413",
     )
     p.add_argument(
-        "--metrics-require-key",
-        action="store_true",
-        help="with --api-key, /metrics needs the key too",
-    )
-    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=d.shutdown_timeout,
@@ -243,6 +237,37 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
+
+
+def _add_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but those --open-routes "
+        f"names (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--open-routes",
+        type=_route_list,
+        default=None,
+        help="with --api-key, the comma-separated paths that answer without it (exact, or "
+        "'/folder/*'); default: /health,/,/playground/* (the probe and the playground's static "
+        "files). Every other route needs the key",
+    )
+    p.add_argument(
+        "--metrics-no-key",
+        action="store_true",
+        help="with --api-key, leave /metrics open for a scraper (it needs the key by default)",
+    )
+    p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help=argparse.SUPPRESS,  # the default since issue 37; accepted for old command lines
+    )
+
+
+def _route_list(text: str) -> tuple[str, ...]:
+    return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:

@@ -19,21 +19,68 @@ logger = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="The server's --api-key")
 
 
+def _key_error() -> OpenAIError:
+    return OpenAIError(
+        401,
+        "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+        "authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def _key_matches(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))  # constant time
+
+
 async def check_api_key(
     request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
 ) -> None:
+    """The routes' declared dependency (it puts the bearer scheme in the OpenAPI document);
+    APIKeyGuard below enforces the key on every path before any route runs."""
     expected: str | None = request.app.state.api_key
     if not expected:
         return
     given = credentials.credentials if credentials is not None else ""
-    if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
-        raise OpenAIError(
-            401,
-            "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
-            "authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    if not _key_matches(given, expected):
+        raise _key_error()
+
+
+def route_is_open(path: str, open_routes: tuple[str, ...]) -> bool:
+    """``path`` is one of ``open_routes`` (exact paths; ``/prefix/*`` for a folder)."""
+    for route in open_routes:
+        if route.endswith("/*"):
+            if path.startswith(route[:-1]):
+                return True
+        elif path == route:
+            return True
+    return False
+
+
+class APIKeyGuard:
+    """ASGI middleware: with an API key, every HTTP request needs ``Authorization: Bearer
+    <key>`` before any route (or 404) answers — routes added later included — except the
+    paths in ``open_routes`` (--open-routes, --metrics-no-key)."""
+
+    def __init__(self, app, api_key: str | None, open_routes: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.open_routes = open_routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.api_key:
+            return await self.app(scope, receive, send)
+        if route_is_open(scope.get("path", ""), self.open_routes):
+            return await self.app(scope, receive, send)
+        given = ""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    given = token.strip()
+        if not _key_matches(given, self.api_key):
+            return await _key_error().response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class BodySizeLimit:

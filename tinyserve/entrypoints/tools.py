@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.structured.schema_fixes import fix_schema
+from tinyserve.utils.regex_size import check_regex, schema_patterns
 
 MAX_PARALLEL_CALLS = 8
 # The options structured/backend.py compiles JSON schemas with, for the %json of the Hermes
@@ -94,6 +95,8 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
             raise ValueError(
                 f"tools: the parameters of {t.function.name!r} must be an object schema"
             )
+        for pattern in schema_patterns(params):  # checked here: Hermes embeds them in Lark
+            check_regex(pattern, "tools")
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t.function.name == choice.function.name]
         if not named:

@@ -57,13 +57,41 @@ def usable_cpus() -> int:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        n = min(n, max(1, int(quota)))
     return max(1, n)
+
+
+def cgroup_cpu_quota() -> float | None:
+    """The CPU quota, in cores, of this process's cgroup or a parent of it (the smallest),
+    cgroup v2 (cpu.max) or v1 (cpu.cfs_quota_us / cpu.cfs_period_us); None without one. A
+    container's own group is its mount's root; a process moved into a child group (systemd,
+    an operator's `cgcreate`) has its quota there."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, files = "/sys/fs/cgroup", ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1
+            root, files = "/sys/fs/cgroup/cpu", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts), -1, -1):
+            folder = "/".join([root, *parts[:i]])
+            try:
+                values = [open(f"{folder}/{f}").read().split() for f in files]
+            except OSError:
+                continue
+            quota, period = (values[0][:2] if len(files) == 1 else (values[0][0], values[1][0]))
+            if quota not in ("max", "-1"):
+                found.append(int(quota) / int(period))
+    return min(found) if found else None
 
 
 def cpu_time_snapshot() -> tuple[float, float] | None:

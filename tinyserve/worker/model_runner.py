@@ -16,6 +16,7 @@ import torch
 from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from tinyserve.worker.contention import ThreadGovernor
 from tinyserve.worker.kv_cache import allocate_kv_cache
 from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from tinyserve.worker.staging import HostToDevice
@@ -68,6 +69,8 @@ class ModelRunner:
                                            tp_size=self.tp.size)  # fmt: skip
         self.sampler = Sampler()
         self.to_device = HostToDevice(device)
+        # Fewer kernel threads while other processes take our cores (worker/contention.py).
+        self.governor = ThreadGovernor() if device.type == "cpu" and self.tp.size == 1 else None
         self.decode_graphs = None
         if graphs:
             from tinyserve.worker.decode_graphs import DecodeGraphs
@@ -82,6 +85,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if not sched.scheduled:
             return ModelRunnerOutput()
+        if self.governor is not None:
+            self.governor.tick()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []

@@ -6,17 +6,19 @@
 //
 // Per query (a row's head), whatever the other queries of its tile or group, the rows of the
 // step and the thread:
-//   qr = bf16(q), kr = bf16(k), vr = bf16(v) (nearest even, bf16_round below)
-//   s_j = scale * (0 + tdp(qr[0:32], kr_j[0:32])) + tdp(qr[32:64], ...) ...: the tile's sum of
-//         each 32 elements of d (amx_tile.h: two chains, then C + (te + to)), d in order
-//   m = max over the query's own keys j < n; e_j = exp256(s_j - m) (0 past its keys)
-//   p_j = bf16(e_j); l = the 8-lane sum of p_j over j in order, then hsum8
+//   qr = bf16(q), kr = bf16(k), vr = bf16(v) (nearest even, denormals to zero: bf16_round)
+//   s_j = scale * ((0 + tdp(qr[0:32], kr_j[0:32])) + tdp(qr[32:64], ...) ...): the tile's sum
+//         of each 32 elements of d (amx_tile.h: two chains, then C + (te + to)), d in order
+//   m = max over the query's own keys j < n; e_j = exp256(s_j - m) (exp512: the same
+//         operations per lane), 0 past its keys
+//   p_j = bf16(e_j); l = the sum of p_j in 16 lanes by j % 16 over j in order, the two
+//         halves added lane by lane, then hsum8 (softmax_row)
 //   o[d] = the tile's sum of p_j * vr_j[d] over each 32 keys in order from key 0
 // Keys past a query's own have p = 0 and keys past the chunk's zero k and v rows, so a tile
 // that spans more keys than a query sees adds exact zeros to it (its sums never hold -0):
-// a decode row alone, a prompt row among 15 others and a row after a prefix-cache hit get
-// the same bits. Only the (exact) packing differs from attention_chunk.h's float path;
-// requires D % 32 == 0 (else attention.c keeps the float chunk).
+// a decode row alone, a prompt row among 63 others and a row after a prefix-cache hit get
+// the same bits, in either form below (few queries transposed, or many). Requires
+// D % 32 == 0 (else attention.c keeps the float chunk).
 #ifndef TINYSERVE_ATTENTION_AMX_H
 #define TINYSERVE_ATTENTION_AMX_H
 #include "amx_tile.h"

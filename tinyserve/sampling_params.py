@@ -35,20 +35,14 @@ class StructuredOutputsParams:
                 f"{self.field}: give exactly one of json, regex, choice, grammar, "
                 f"json_object (got {', '.join(modes) or 'none'})"
             )
+        schema = self.json
         if isinstance(self.json, str):
             try:
-                json.loads(self.json)
+                schema = json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"{self.field}: json is not valid JSON: {e}") from None
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"{self.field}: json must be a JSON schema object")
-        # Regexes are sized here, when the request arrives (a 400), not mid-answer.
-        if self.regex is not None:
-            check_regex(self.regex, self.field)
-        if self.json is not None:
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            for pattern in schema_patterns(schema):
-                check_regex(pattern, self.field)
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
@@ -57,6 +51,12 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{self.field}: {name} must be a non-empty string")
+        # Regexes are sized here, when the request arrives (a 400), not mid-answer; the only
+        # way to a grammar spec (engine/structured_output.py) starts from these params.
+        if self.regex is not None:
+            check_regex(self.regex, self.field)
+        for pattern in schema_patterns(schema):
+            check_regex(pattern, self.field)
 
 
 @dataclass

@@ -97,3 +97,13 @@ def test_regex_size_estimate():
     for pattern in (r"\d{4}-\d{2}-\d{2}", r"[A-Z][a-z]{1,64}", r"(?:[a-z]+\.){2,3}com",
                     r"\p{L}{3,8}", r"[\]\[]{5}", r"^\+?[0-9 ()-]{7,20}$", r".{0,5000}"):  # fmt: skip
         assert regex_states(pattern) <= 5000, pattern
+
+
+def test_a_regex_that_is_not_a_string_is_refused_by_name():
+    """Sized only once it is known to be a string (an int once raised a TypeError there)."""
+    from tinyserve.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="regex must be a non-empty string"):
+        StructuredOutputsParams(regex=5)
+    with pytest.raises(ValueError, match="json is not valid JSON"):
+        StructuredOutputsParams(json="{")

@@ -37,18 +37,7 @@ static inline void tile_config_fill(tile_config_t *c, int colsb, int rows) {
     }
 }
 
-// All eight tiles 64 bytes wide: tiles 0 .. first16-1 with rows rows, the rest 16 (attention's
-// C and A tiles of a query tile's rows, and its B tiles).
-static inline void tile_config_fill_split(tile_config_t *c, int rows, int first16) {
-    memset(c, 0, sizeof *c);
-    c->palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c->rows[t] = t < first16 ? rows : TILE_ROWS;
-        c->colsb[t] = 64;
-    }
-}
-
-// Any shapes: tile t with rows[t] rows of colsb[t] bytes.
+// Any shapes (attention_amx.h's): tile t with rows[t] rows of colsb[t] bytes.
 static inline void tile_config_fill_shapes(tile_config_t *c, const uint8_t rows[8],
                                            const uint16_t colsb[8]) {
     memset(c, 0, sizeof *c);
@@ -70,11 +59,6 @@ static inline void tile_config(int colsb, int rows) {
     tile_config_fill(&c, colsb, rows);
     _tile_loadconfig(&c);
 }
-static inline void tile_config_split(int rows, int first16) {
-    tile_config_t c;
-    tile_config_fill_split(&c, rows, first16);
-    _tile_loadconfig(&c);
-}
 static inline void tile_config_shapes(const uint8_t rows[8], const uint16_t colsb[8]) {
     tile_config_t c;
     tile_config_fill_shapes(&c, rows, colsb);
@@ -93,9 +77,6 @@ int amx_emulated(void) { return 1; }
 static __thread uint8_t tmm[8][TILE_ROWS][64] __attribute__((aligned(64)));
 static __thread tile_config_t tcfg;
 static inline void tile_config(int colsb, int rows) { tile_config_fill(&tcfg, colsb, rows); }
-static inline void tile_config_split(int rows, int first16) {
-    tile_config_fill_split(&tcfg, rows, first16);
-}
 static inline void tile_config_shapes(const uint8_t rows[8], const uint16_t colsb[8]) {
     tile_config_fill_shapes(&tcfg, rows, colsb);
 }

@@ -21,16 +21,13 @@
 #include <math.h>
 
 #define CHUNK 64  // keys per chunk
-#if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
-// Rows of one sequence that share each chunk's key/value packing (attention_amx.h): reading
-// and packing a chunk's keys and values is most of a tile chunk's cost, so the more rows the
-// better while the work items still outnumber the threads (one layer of a 2048-token prompt
-// in 512-row steps, Xeon AMX, 2 threads: 16 rows 20.0 ms, 32 17.4, 64 13.5, 128 32.1 — 128
-// leaves 12 items, the per-chunk mode).
-#define GROUP 64
-#else
 #define GROUP 8  // consecutive rows of one sequence that share each chunk's key/value reads
-#endif
+// The same on AMX tiles (attention_amx.h): reading and packing a chunk's keys and values is
+// most of a tile chunk's cost, so the more rows the better while the work items still
+// outnumber the threads (one layer of a 2048-token prompt in 512-row steps, Xeon AMX, 2
+// threads: 16 rows 20.0 ms, 32 17.4, 64 13.5, 128 32.1 — 128 leaves 12 items, the per-chunk
+// mode). The group is a scheduling choice only: no row's bits depend on it.
+#define GROUP_TILES 64
 #include "attention_chunk.h"  // chunk_partials: one chunk's partials for a group of rows
 #if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
 #include "attention_amx.h"  // chunk_partials_amx: the same on AMX tiles
@@ -81,18 +78,15 @@ static void *get_scratch(int64_t bytes) {
     return scratch;
 }
 
-// chunk_partials' scratch for up to GROUP rows: the key and value pointers, three pointers
-// per query vector, and the queries' scores.
-static int64_t chunk_scratch_bytes(int G, int D) {
+// chunk_partials' scratch for up to GROUP rows (the key and value pointers, three pointers
+// per query vector, and the queries' scores), or the tile chunk's.
+static int64_t chunk_scratch_bytes(int G, int D, int tiles) {
     const int64_t M = (int64_t)GROUP * G;
-    const int64_t f = (4 * CHUNK + 3 * M) * (int64_t)sizeof(void *) + M * CHUNK * (int64_t)sizeof(float);
 #ifdef ATTN_AMX
-    const int64_t t = chunk_scratch_amx_bytes(D);
-    return t > f ? t : f;
-#else
-    (void)D;
-    return f;
+    if (tiles) return chunk_scratch_amx_bytes(D);
 #endif
+    (void)D, (void)tiles;
+    return (4 * CHUNK + 3 * M) * (int64_t)sizeof(void *) + M * CHUNK * (int64_t)sizeof(float);
 }
 
 
@@ -114,8 +108,8 @@ static inline next_t chunk_of(const int32_t *block_tables, int64_t max_blocks,
         const int64_t j0_ = c * CHUNK;                                                      \
         int64_t ta_ = t0;                                                                   \
         while (pos[ta_] < j0_) ta_++;                                                       \
-        int n_[GROUP];                                                                      \
-        float *pp_[GROUP];                                                                  \
+        int n_[GROUP_TILES];                                                                \
+        float *pp_[GROUP_TILES];                                                            \
         for (int64_t t = ta_; t < t1; t++) {                                                \
             n_[t - ta_] = pos[t] + 1 - j0_ < CHUNK ? (int)(pos[t] + 1 - j0_) : CHUNK;       \
             pp_[t - ta_] = (part_of);                                                       \
@@ -129,9 +123,9 @@ static inline next_t chunk_of(const int32_t *block_tables, int64_t max_blocks,
 // int32 [num_seqs, max_blocks]; seq_of_token: int64 [T]. Requires D % 8 == 0. Returns 0, or
 // -1 if memory ran out.
 //
-// Work is cut into groups of up to GROUP consecutive rows of one sequence (a verification
-// run, a prefill chunk's rows): a group reads each chunk of keys and values once for all its
-// rows. With many (group, KV head) pairs each pair is a work item and walks its chunks; with
+// Work is cut into groups of up to GROUP (on tiles GROUP_TILES) consecutive rows of one
+// sequence (a verification run, a prefill chunk's rows): a group reads each chunk of keys
+// and values once for all its rows. With many (group, KV head) pairs each pair is a work item and walks its chunks; with
 // few (decode at small batch, one verification run) every (group, KV head, chunk) is one.
 // Either way a thread claims its next item before computing this one and prefetches the
 // next chunk's keys and values into L2 meanwhile (next_t): a decode step's attention had
@@ -154,7 +148,7 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
     const int tiles = 0;
     (void)want_tiles;
 #endif
-    const int G = H / KVH;
+    const int G = H / KVH, group = tiles ? GROUP_TILES : GROUP;
     const int64_t pf = (int64_t)G * (D + 2);  // floats of one chunk's partial
     // pos[t]: row t's last key; first[t]: chunks before row t; grp: group starts (ng + 1);
     // gfirst[i]: chunks of the groups before group i (a group has its longest row's chunks).
@@ -167,7 +161,7 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         pos[t] = seq_lens[s] - q_len + (t - query_start_loc[s]);
         first[t + 1] = first[t] + pos[t] / CHUNK + 1;
-        if (t == 0 || seq_of_token[t - 1] != s || t - grp[ng - 1] == GROUP) grp[ng++] = t;
+        if (t == 0 || seq_of_token[t - 1] != s || t - grp[ng - 1] == group) grp[ng++] = t;
     }
     grp[ng] = T;
     gfirst[0] = 0;
@@ -190,13 +184,13 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                 const int64_t it2 = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
                 const int64_t i = it / KVH, g = it % KVH, t0 = grp[i], t1 = grp[i + 1];
                 const int64_t ncm = gfirst[i + 1] - gfirst[i];
-                char *sc = (char *)get_scratch(chunk_scratch_bytes(G, D) +
+                char *sc = (char *)get_scratch(chunk_scratch_bytes(G, D, tiles) +
                                                (t1 - t0) * ncm * pf * sizeof(float));
                 if (sc == NULL) {
                     failed = 1;
                     break;
                 }
-                float *parts = (float *)(sc + chunk_scratch_bytes(G, D));
+                float *parts = (float *)(sc + chunk_scratch_bytes(G, D, tiles));
                 const int32_t *table = block_tables + seq_of_token[t0] * max_blocks;
                 for (int64_t c = 0; c < ncm; c++) {
                     const next_t nx = c + 1 < ncm       ? CHUNK_OF(i, c + 1, g)
@@ -223,7 +217,7 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
     int64_t claimed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        void *sc = get_scratch(chunk_scratch_bytes(G, D));
+        void *sc = get_scratch(chunk_scratch_bytes(G, D, tiles));
         if (sc == NULL) failed = 1;
         // Items are claimed from a shared counter one ahead: a thread holding item it has
         // already claimed its next one, and prefetches that item's keys and values while it

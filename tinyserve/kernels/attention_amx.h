@@ -279,7 +279,8 @@ static void chunk_few_queries(const attn_t *a, const float *q, int64_t q_stride,
 }
 
 // chunk_partials (attention_chunk.h's contract of arguments; numerics above). scratch:
-// chunk_scratch_amx_bytes. Tiles (tile_config_split(mq, 6)): 0-3 four C tiles (four key
+// chunk_scratch_amx_bytes. Tiles (64 bytes wide; 0-5 with the query tile's rows, 6-7 16):
+// 0-3 four C tiles (four key
 // blocks of scores, or four 16-wide slices of the outputs) so that four multiplies are in
 // flight, 4 the A tile (queries or p), 6-7 the B tiles (keys or values).
 static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stride, int R,
@@ -289,7 +290,7 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
     const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1];
     const int nk = (n + 31) / 32 * 32, nkb = nk / 16, ns = D / 32, nd = D / 16;
     const void **kp = (const void **)scratch, **vp = kp + CHUNK;
-    char *base = (char *)(vp + 3 * CHUNK);
+    char *base = (char *)(vp + CHUNK);
     uint32_t *kr = (uint32_t *)base, *kt = kr + CHUNK * D / 2, *vt = kt + CHUNK * D / 2;
     uint16_t *qb = (uint16_t *)(vt + CHUNK * D / 2);  // [16][D]
     uint16_t *pb = qb + TILE_ROWS * D;  // [16][CHUNK]
@@ -317,7 +318,9 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
             const float *qr = q + (m / G) * q_stride + (g * G + m % G) * D;
             for (int d = 0; d < D; d += 32) to_bf16_32(qr + d, qb + i * D + d);
         }
-        tile_config_split(mq, 6);
+        const uint8_t r = (uint8_t)mq, rows[8] = {r, r, r, r, r, r, 16, 16};
+        const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+        tile_config_shapes(rows, colsb);
         // Scores: the key blocks c < nkb (at most 4), each summed over d in order.
 #define IF_C(C, ...) if ((C) < nc) __VA_ARGS__
 #define SCORE(C, BT) IF_C(C, { TILE_LOAD(BT, kt + (s * nkb + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
@@ -363,7 +366,7 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
 
 // Bytes of chunk_partials_amx's scratch (D elements per head).
 static int64_t chunk_scratch_amx_bytes(int D) {
-    return 4 * CHUNK * (int64_t)sizeof(void *) + 3 * CHUNK * D / 2 * 4 + TILE_ROWS * D * 2 +
+    return 2 * CHUNK * (int64_t)sizeof(void *) + 3 * CHUNK * D / 2 * 4 + TILE_ROWS * D * 2 +
            TILE_ROWS * CHUNK * 2 + TILE_ROWS * (CHUNK > D ? CHUNK : D) * 4 + TILE_ROWS * CHUNK * 4;
 }
 

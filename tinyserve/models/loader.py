@@ -221,7 +221,7 @@ def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
 
     cfg = net.config
     on = use_kernels and ops.library() is not None
-    tiles = on and net.attention_backend == "kernel" and attention_tiles(net)
+    tiles = on and net.attention_backend == "kernel" and _tiles_fit(net)
     for m in net.modules():
         if isinstance(m, RMSNorm):
             m.use_kernel = on and cfg.hidden_size % 8 == 0
@@ -232,8 +232,8 @@ def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
             m.tiles = m.use_kernel and tiles
 
 
-def attention_tiles(net: LlamaForCausalLM) -> bool:
-    """The block-table attention on AMX tiles (bf16 q, k, v and p; kernels/attention_amx.h):
+def _tiles_fit(net: LlamaForCausalLM) -> bool:
+    """Whether the block-table attention should run on AMX tiles (bf16 q, k, v and p; kernels/attention_amx.h):
     where this CPU's attention build has them for the head size and the matmuls round their
     activations to bf16 (--kernel-activations, default on AMX), so that the model runs at one
     precision; --kernel-activations float32 keeps float32 attention too."""

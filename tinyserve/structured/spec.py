@@ -23,8 +23,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.utils.regex_size import check_regex, schema_patterns
-
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 DEFAULT_FIELD = "response_format"
 
@@ -48,11 +46,6 @@ class StructuredOutputSpec:
             raise ValueError(f"{self.field}: the {self.kind} spec must be given as text")
         if self.kind in ("regex", "grammar") and not self.value:
             raise ValueError(f"{self.field}: the {self.kind} must not be empty")
-        if self.kind == "regex":
-            check_regex(self.value, self.field)
-        elif self.kind == "json":
-            for pattern in schema_patterns(json.loads(self.value)):
-                check_regex(pattern, self.field)
 
     @property
     def key(self) -> str:
@@ -94,4 +87,3 @@ class StructuredOutputSpec:
     @classmethod
     def grammar(cls, text: str, field: str = DEFAULT_FIELD) -> StructuredOutputSpec:
         return cls("grammar", text, field)
-

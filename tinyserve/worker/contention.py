@@ -42,14 +42,13 @@ class ThreadGovernor:
         self.max_threads = max_threads or kernel_threads()
         self.interval_s = interval_s
         self.threads = self.max_threads
+        self._t, self._snap = time.monotonic(), cpu_time_snapshot()
         self.enabled = (
             self.max_threads > 1
             and os.environ.get("TINYSERVE_THREAD_GOVERNOR", "1") != "0"
             and not os.environ.get("TINYSERVE_KERNEL_THREADS")
-            and cpu_time_snapshot() is not None
+            and self._snap is not None
         )
-        self._t = time.monotonic()
-        self._snap = cpu_time_snapshot() if self.enabled else None
         self._last_want: int | None = None
 
     def tick(self) -> None:

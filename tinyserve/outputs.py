@@ -97,6 +97,7 @@ class StepOutput:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None  # set when the request is at fault: a 400 naming this field
     prompt_index: int = 0  # which of the request's prompts this choice continues
     # The request's last output (every choice has finished) carries its usage.
     request_finished: bool = False

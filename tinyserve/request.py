@@ -70,6 +70,9 @@ class Request:
     parent_id: str | None = None
     index: int = 0
     error: str | None = None
+    # Set with ``error`` when the request itself is at fault (its grammar proved too complex
+    # for the library mid-answer): the request field a 400 names.
+    error_param: str | None = None
     # Constrained decoding: the request's grammar matcher (structured/backend.py Matcher),
     # advanced by the scheduler with every token it appends.
     grammar: object | None = None

@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tinyserve.utils.grammar_size import check_schema, check_spec_text
 from tinyserve.utils.regex_size import check_regex, schema_patterns
 
 _MAX_STOP_STRINGS = 64
@@ -51,8 +52,16 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{self.field}: {name} must be a non-empty string")
-        # Regexes are sized here, when the request arrives (a 400), not mid-answer; the only
-        # way to a grammar spec (engine/structured_output.py) starts from these params.
+        # Specs and regexes are sized here, when the request arrives (a 400), not mid-answer
+        # or in the grammar library; the only way to a grammar spec
+        # (engine/structured_output.py) starts from these params.
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None:
+                check_spec_text(getattr(self, name), self.field, name)
+        if self.choice is not None:
+            check_spec_text("".join(self.choice), self.field, "list of choices")
+        if schema is not None:
+            check_schema(schema, len(json.dumps(schema, separators=(",", ":"))), self.field)
         if self.regex is not None:
             check_regex(self.regex, self.field)
         for pattern in schema_patterns(schema):

@@ -4,6 +4,8 @@ operator's flags."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from test_http_errors import assert_error
@@ -11,6 +13,7 @@ from test_http_errors import assert_error
 from tinyserve.config import ServerConfig
 from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
+from tinyserve.testing.schemas import ref_chain, rule_chain
 
 KEY = "sekret-4711"
 
@@ -107,3 +110,57 @@ def test_a_regex_that_is_not_a_string_is_refused_by_name():
         StructuredOutputsParams(regex=5)
     with pytest.raises(ValueError, match="json is not valid JSON"):
         StructuredOutputsParams(json="{")
+
+
+def test_grammars_that_crashed_the_server_are_served(client):
+    """A 3,000-rule Lark chain and a 1,000-$ref schema (49 and 75 KB) overflowed the compile
+    thread's stack inside the grammar library and killed the server (issue 37; the premise is
+    checked in tests/structured/test_sandbox.py). Now compiled with room, in a sandbox first."""
+    bodies = [{"structured_outputs": {"grammar": rule_chain(3000)}},
+              {"response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "chain", "schema": ref_chain(1000)}}}]  # fmt: skip
+    for extra in bodies:
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 6}
+        r = client.post("/v1/chat/completions", json={**body, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert client.get("/health").status_code == 200
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.startswith('{"x"') or text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [({"structured_outputs": {"grammar": 'start: "a"' + ' | "b"' * 60_000}}, ["grammar", "256,000"]),
+     ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"enum": ["x" * 300_000]}}}}},
+      ["JSON schema", "256,000"]),
+     ({"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": {
+         "type": "array", "items": json.loads("[" * 120 + "]" * 120)}}}}, ["nests", "at most 100"])],
+)  # fmt: skip
+def test_specs_past_the_size_limits_are_a_400_naming_the_limit(fake_server, extra, words):
+    with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+        err = assert_error(c.post("/v1/chat/completions", json=body), 400, next(iter(extra)))
+        assert all(w in err["message"] for w in words), err["message"]
+        assert s.engine.num_steps == 0
+
+
+def test_a_grammar_past_the_parser_limit_is_a_400_and_the_server_goes_on(client):
+    """A Lark rule of 3,000 alternatives compiles, then the parser refuses the first token its
+    own mask allowed (over 2,000 Earley items in a row): that was a 500 mid-answer; it is the
+    request's fault, a 400 naming its field (an error event when streamed)."""
+    words = " | ".join(f'"w{i}"' for i in range(3000))
+    body = {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 8,
+            "structured_outputs": {"grammar": f"start: {words}"}}  # fmt: skip
+    err = assert_error(client.post("/v1/chat/completions", json=body, timeout=120), 400,
+                       "structured_outputs")  # fmt: skip
+    assert "too complex" in err["message"] and "2000" in err["message"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    error = json.loads(events[-2][6:])["error"]
+    assert error["param"] == "structured_outputs" and "too complex" in error["message"]
+    assert events[-1] == "data: [DONE]"
+    # The same words as a choice list are one terminal: served.
+    choice = {**body, "structured_outputs": {"choice": [f"w{i}" for i in range(3000)]}}
+    r = client.post("/v1/chat/completions", json=choice, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in choice[
+        "structured_outputs"]["choice"]  # fmt: skip

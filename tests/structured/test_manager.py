@@ -47,6 +47,23 @@ def test_cache_evicts_least_recently_used():
     pool.close()
 
 
+def test_cache_evicts_past_its_bytes_too():
+    """Entries are few but big: 100 grammar bytes each, 250 allowed -> two stay."""
+
+    class Sized(FakeBackend):
+        def compile(self, spec):
+            super().compile(spec)
+            return type("Compiled", (), {"grammar_bytes": 100})()
+
+    backend = Sized()
+    pool = GrammarCompilerPool(backend, cache_size=100, cache_bytes=250)
+    for pattern in ["a", "b", "c", "c", "b", "a"]:
+        pool.submit(StructuredOutputSpec.regex(pattern)).result(5)
+    assert backend.calls == ["a", "b", "c", "a"]  # "a" went when "c" came; "b", "c" stayed
+    assert pool.cached_bytes == 200
+    pool.close()
+
+
 def test_time_limit_fails_the_slow_compile_only():
     backend = FakeBackend(slow={"slow"}, delay=10)
     pool = GrammarCompilerPool(backend, max_workers=1, compile_timeout_s=0.2)

@@ -40,6 +40,7 @@ from tinyserve.engine.output_processor import as_prompts
 from tinyserve.engine.view_feed import ViewFeed
 from tinyserve.outputs import StepOutput
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.utils.threads import start_thread
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class _RequestState:
     output_tokens: dict[int, int] = field(default_factory=dict)
 
 
+ENGINE_STACK_BYTES = 64 << 20
 _END = object()  # queue sentinel: every sample of the request has finished
 
 
@@ -144,8 +146,9 @@ class AsyncEngine:
             return
         self._loop = loop or asyncio.get_running_loop()
         self.engine.warm_up()
-        self._thread = threading.Thread(target=self._run, name="tinyserve-engine", daemon=True)
-        self._thread.start()
+        # A 64 MiB stack (address space; pages are used as it grows): the engine thread runs
+        # the grammar library's matchers, which recurse over the grammar (structured/sandbox.py).
+        self._thread = start_thread(self._run, "tinyserve-engine", ENGINE_STACK_BYTES)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step. Pending requests get EngineDeadError."""

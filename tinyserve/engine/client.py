@@ -33,6 +33,15 @@ class RequestFailedError(RuntimeError):
     """An internal failure of one request (``finish_reason == "error"``)."""
 
 
+class RequestRejectedError(RequestFailedError):
+    """A request that failed by its own fault mid-answer (its grammar outgrew a parser limit):
+    a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class EngineStats:
     num_running: int

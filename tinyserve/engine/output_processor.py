@@ -196,6 +196,7 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             error=req.error or "internal error",
+            error_param=req.error_param,
         )
 
     def _finish_child(self, parent: ParentRequest, rid: str, out: StepOutput) -> None:

@@ -216,7 +216,7 @@ class Scheduler:
             request.append_output_token(token_id)
             self.generation_tokens_total += 1
             if request.grammar is not None and not request.grammar.accept_tokens([token_id]):
-                request.error = f"the grammar rejected token {token_id}"
+                self._grammar_failed(request, token_id)
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 return kept
             status = check_stop(request, token_id)
@@ -224,6 +224,20 @@ class Scheduler:
                 self._finish(request, status)
                 return kept
         return len(token_ids)
+
+    @staticmethod
+    def _grammar_failed(request: Request, token_id: int) -> None:
+        """Why the grammar took no more. The library may refuse a token its own mask allowed
+        when the grammar outgrows a parser limit (over 2,000 Earley items in a row: a Lark
+        rule of thousands of alternatives): the request's fault, a 400 naming its field."""
+        why = request.grammar.error()
+        if not why:
+            request.error = f"the grammar rejected token {token_id}"
+            return
+        field = request.sampling_params.structured_outputs.field
+        first_line = why.strip().splitlines()[0]
+        request.error = f"{field}: the grammar is too complex for the parser: {first_line}"
+        request.error_param = field
 
     # -- leaving early -----------------------------------------------------------------------
 

@@ -66,11 +66,16 @@ class StructuredOutputManager:
 
     def _ensure_pool(self):
         if self._pool is None:
+            from tinyserve.structured.backend import PARSER_LIMITS
             from tinyserve.structured.manager import GrammarCompilerPool
+            from tinyserve.structured.sandbox import GrammarSandbox
 
             future = _backend_future(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self._backend = future.result()
-            self._pool = GrammarCompilerPool(self._backend, compile_timeout_s=self.compile_timeout)
+            sandbox = GrammarSandbox(PARSER_LIMITS, self.compile_timeout)
+            self._pool = GrammarCompilerPool(
+                self._backend, compile_timeout_s=self.compile_timeout, sandbox=sandbox
+            )
         return self._pool
 
     @staticmethod

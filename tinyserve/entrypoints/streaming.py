@@ -19,6 +19,7 @@ from tinyserve.engine.client import (
     OutputStream,
     QueueFullError,
     RequestFailedError,
+    RequestRejectedError,
 )
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError
@@ -51,6 +52,8 @@ def engine_error(e: Exception) -> OpenAIError:
         return OpenAIError(
             429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
         )
+    if isinstance(e, RequestRejectedError):
+        return OpenAIError(400, str(e), "invalid_request_error", param=e.param)
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
     return OpenAIError(500, f"internal error: {e}", "internal_error", code="internal_error")
@@ -74,6 +77,8 @@ class Choice:
 def finish_reason_of(out: StepOutput) -> str | None:
     """The client-facing finish reason; an internal failure of the request raises."""
     if out.finish_reason == "error":
+        if out.error_param:
+            raise RequestRejectedError(out.error or "invalid request", out.error_param)
         raise RequestFailedError(out.error or "internal error")
     return out.finish_reason
 

@@ -12,7 +12,15 @@ cancel) until the library's own limits end it. So a pathological spec costs one 
 thread, never a worker: other compiles are not blocked. ``num_abandoned`` counts those still
 running.
 
-Caching: one future per ``spec.key``, least recently used evicted past ``cache_size``.
+With a ``sandbox`` (sandbox.py, what the engine uses) a grammar is first compiled in a child
+process that is killed past the limit and replaced after a crash, so a pathological spec
+fails its request only and leaves no background thread (the wait here is then a backstop:
+twice the limit); the compile in this process runs on a ``COMPILE_STACK_BYTES`` stack.
+
+Caching: one future per ``spec.key``, least recently used evicted past ``cache_size`` entries
+or ``cache_bytes`` of grammar text (a compiled grammar holds 60-72 bytes of memory per byte
+of its text: a chain of 8,000 Lark rules, 142 KiB of text, holds 10 MiB; 4 MiB of text is
+at most ~300 MiB of compiled grammars).
 Failures are cached too (a spec that failed or timed out fails the same way again), so a
 client resending a pathological spec does not start another background compile.
 """
@@ -24,11 +32,18 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from tinyserve.structured.sandbox import (
+    COMPILE_STACK_BYTES,
+    GrammarCrash,
+    GrammarSandbox,
+    GrammarTimeout,
+)
 from tinyserve.structured.spec import StructuredOutputSpec
+from tinyserve.utils.threads import start_thread
 
 
 class _Compiles(Protocol):
-    def compile(self, spec: StructuredOutputSpec): ...
+    def compile(self, spec: StructuredOutputSpec, check=None): ...
 
 
 class GrammarCompilerPool:
@@ -38,11 +53,17 @@ class GrammarCompilerPool:
         max_workers: int = 2,
         cache_size: int = 256,
         compile_timeout_s: float = 10.0,
+        cache_bytes: int = 4 << 20,
+        sandbox: GrammarSandbox | None = None,
     ):
         self._backend = backend
+        self._sandbox = sandbox
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._sizes: dict[str, int] = {}  # grammar_bytes of the compiled entries
+        self.cached_bytes = 0
         self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
         self._abandoned = 0
@@ -64,11 +85,27 @@ class GrammarCompilerPool:
                 return future
             future = Future()
             self._cache[spec.key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._evict()
             self.num_compiles += 1
         self._executor.submit(self._run, spec, future)
         return future
+
+    def _evict(self) -> None:
+        """Drop least recently used entries past either bound (under the lock); the newest
+        entry stays whatever its size."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self._cache_size or self.cached_bytes > self._cache_bytes
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self.cached_bytes -= self._sizes.pop(key, 0)
+
+    def _charge(self, key: str, future: Future, result) -> None:
+        """Count a compiled grammar's bytes while its entry is still cached."""
+        with self._lock:
+            if self._cache.get(key) is future:
+                self._sizes[key] = getattr(result, "grammar_bytes", 0)
+                self.cached_bytes += self._sizes[key]
+                self._evict()
 
     def _run(self, spec: StructuredOutputSpec, future: Future) -> None:
         """On a pool worker: compile on a daemon thread, wait for it at most the limit."""
@@ -77,32 +114,44 @@ class GrammarCompilerPool:
 
         def compile_it() -> None:
             try:
-                result = self._backend.compile(spec)
+                if self._sandbox is None:
+                    result = self._backend.compile(spec)
+                else:
+                    result = self._backend.compile(spec, check=self._sandbox.check)
             except ValueError as e:
                 _settle(future, error=e)
+            except GrammarTimeout:
+                _settle(future, error=ValueError(f"{spec.field}: {over_limit}"))
+            except GrammarCrash as e:
+                crashed = f"the grammar library crashed compiling it ({e}): too deep or too large"
+                _settle(future, error=ValueError(f"{spec.field}: {crashed}"))
             except BaseException as e:  # a library panic or bug fails this request only
                 _settle(future, error=ValueError(f"{spec.field}: could not compile: {e!r}"))
             else:
                 _settle(future, result=result)
+                self._charge(spec.key, future, result)
             finally:
                 done.set()
                 with self._lock:
                     if abandoned[0]:
                         self._abandoned -= 1
 
-        threading.Thread(target=compile_it, name="grammar-compile-job", daemon=True).start()
-        if done.wait(self.compile_timeout_s):
+        over_limit = f"grammar did not compile within {self.compile_timeout_s:g} s"
+        start_thread(compile_it, "grammar-compile-job", COMPILE_STACK_BYTES)
+        backstop = self.compile_timeout_s * (1 if self._sandbox is None else 2)
+        if done.wait(backstop):
             return
         with self._lock:
             if not done.is_set():
                 abandoned[0] = True
                 self._abandoned += 1
-        limit = f"{self.compile_timeout_s:g} s"
-        _settle(future, error=ValueError(f"{spec.field}: grammar did not compile within {limit}"))
+        _settle(future, error=ValueError(f"{spec.field}: {over_limit}"))
 
     def close(self) -> None:
         """Stop taking compiles; queued ones are cancelled, running ones are not waited for."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.close()
 
 
 def _settle(future: Future, result=None, error: BaseException | None = None) -> None:

@@ -294,3 +294,22 @@ def random_choices(rng: random.Random) -> list[str]:
             "".join(rng.choices(string.ascii_letters + string.digits, k=rng.randint(1, 12)))
         )
     return list(dict.fromkeys(picked))
+
+
+def rule_chain(n: int) -> str:
+    """A Lark grammar of ``n`` chained rules (``r0: r1 "x"``, ``r1: r2 "x"``, ...): the grammar
+    library compiles it by recursion, one level a rule (issue 37's crash: 3,000 of them
+    overflowed an 8 MiB thread stack)."""
+    rules = [f'r{i}: r{i + 1} "x"' for i in range(n)] + [f'r{n}: "a"']
+    return "start: r0\n" + "\n".join(rules)
+
+
+def ref_chain(n: int) -> dict:
+    """A JSON schema whose ``n`` ``$defs`` each hold a ``$ref`` to the next (1,000 of them
+    overflowed an 8 MiB thread stack in the grammar library)."""
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(n)
+    }
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}

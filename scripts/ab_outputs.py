@@ -49,7 +49,7 @@ def offline() -> list:
             rows.append(
                 [
                     [c.index, c.token_ids, c.text, c.finish_reason, str(c.stop_reason),
-                     [round(lp.logprob, 4) for lp in c.logprobs or []]]
+                     [lp.logprob for lp in c.logprobs or []]]
                     for c in o.outputs
                 ]
             )  # fmt: skip

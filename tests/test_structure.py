@@ -325,7 +325,7 @@ def test_checks_catch_upward_lazy_and_testing_imports():
 
 def test_checks_follow_imports_to_torch():
     fake = _fake(
-        "engine/scheduler.py",
+    "engine/scheduler.py",
         "from tinyserve.request import Request\n",
         {
             "request.py": "def f():\n    from tinyserve.utils.cpu import n\n",

@@ -205,20 +205,59 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
+class LoadConfig:
+    """How every rank loads and runs its shard of the model. Tensor-parallel worker ranks
+    receive this very object (worker/tp_worker.py), and the driver and the workers load
+    through one function (models/loader.py ``load_shard``): a setting added here reaches
+    every rank by construction."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # the driver resolves it once; workers get the resolved name
+    device: str = "auto"
+    max_model_len: int | None = None  # as asked; the engine resolves it from the KV cache
+    cpu_kernels: bool = True
+    quantization: str | None = None
+    decode_activations: str = "float32"
+    kernel_activations: str = "auto"
+    fused_step: bool = True
+    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size and how many blocks (from a count or a memory budget)."""
 
     block_size: int = 16
     num_blocks: int | None = None  # wins over kv_cache_memory when given
-    kv_cache_memory: int = 1 << 30  # bytes; used when num_blocks is None
+    # Bytes, used when num_blocks is None. None: the executor's default (1 GiB on a CPU or
+    # MPS; on CUDA what gpu_memory_utilization leaves after a profiling forward).
+    kv_cache_memory: int | None = 1 << 30
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
 
 
@@ -228,7 +267,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_model_len: int | None = 2048  # None: not resolved yet (EngineArgs.create_configs)
     policy: str = "continuous"
     enable_chunked_prefill: bool = True
     # While requests decode, a step's prompt tokens are capped so that the step's estimated
@@ -245,10 +284,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.max_model_len is None:  # the engine sets it from the KV cache, then checks
+            return
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens "

@@ -146,3 +146,20 @@ def test_constrained_decoding_under_tensor_parallel(smollm2_gguf_path, tmp_path)
         texts.append((out.outputs[0].text, out.outputs[0].token_ids))
     assert texts[0] == texts[1]
     assert re.fullmatch(r"[a-z]{2,6}@[a-z]{3,8}\.(com|org)", texts[0][0]), texts[0][0]
+
+
+
+def test_every_rank_runs_the_drivers_numerics(tiny_paths):
+    """Every rank loads from the driver's own LoadConfig (issue 38: the worker spec dropped
+    kernel_activations and fused_step, so ranks > 0 loaded with the defaults) and reports
+    its numerics path at start-up; the driver refuses to start on a mismatch. Non-default
+    settings here: int8 weights, no fused step, float32 kernel activations."""
+    kw = dict(dtype="float32", device="cpu", load_tokenizer=False, block_size=4,
+              quantization="int8", fused_step=False, kernel_activations="float32")  # fmt: skip
+    with LLM(tiny_paths["llama"], tensor_parallel_size=2, **kw) as llm:
+        paths = llm.engine.executor.rank_paths
+    assert len(paths) == 2 and paths[0] == paths[1], paths
+    assert "kernel-q8_0" in paths[0] and "fused step False" in paths[0]  # int8 weights
+    # The path tells settings apart (so a rank loaded with other settings is caught).
+    with LLM(tiny_paths["llama"], **{**kw, "quantization": None, "fused_step": True}) as llm:
+        assert llm.engine.executor.rank_paths[0] != paths[0]

@@ -8,15 +8,16 @@ its own KV cache, scheduler and runner.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from tinyserve.engine.arg_utils import EngineArgs
-from tinyserve.engine.executor import Executor
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.worker.executor import Executor
 
 TINY_VOCAB = 256
 
@@ -26,17 +27,14 @@ _tokenizers: dict[str, object] = {}
 
 def _shared_model(args: EngineArgs) -> tuple:
     """(model, source) for ``args``, loaded once per process."""
-    from tinyserve.models.loader import load_model
+    from tinyserve.models.loader import load_shard
     from tinyserve.worker.device import resolve_device
 
-    dtype = getattr(torch, args.dtype)
-    kw = dict(max_position=args.max_model_len, cpu_kernels=args.cpu_kernels,
-              quantization=args.quantization, decode_activations=args.decode_activations,
-              fused_step=args.fused_step, kernel_activations=args.kernel_activations)  # fmt: skip
-    key = (str(args.model), args.dtype, args.device, *kw.values())
-    if key not in _models:
-        _models[key] = load_model(args.model, dtype, resolve_device(args.device), **kw)
-    return _models[key]
+    # The loaded weights depend on the load config but for how the cache and steps run.
+    load = dataclasses.replace(args.create_configs().load, kv_cache_dtype="auto", enforce_eager=False)
+    if load not in _models:
+        _models[load] = load_shard(load, getattr(torch, args.dtype), resolve_device(args.device))
+    return _models[load]
 
 
 def _shared_tokenizer(source):
@@ -54,7 +52,7 @@ def build_engine(**kwargs) -> LLMEngine:
     args = EngineArgs(**{"dtype": "float32", "device": "cpu", **kwargs})
     if args.tensor_parallel_size > 1:  # a shard belongs to its process group
         return LLMEngine(args)
-    executor = Executor(args, loaded=_shared_model(args))
+    executor = Executor(args.create_configs(), loaded=_shared_model(args))
     tokenizer = _shared_tokenizer(executor.source) if args.load_tokenizer else None
     return LLMEngine(args, executor=executor, tokenizer=tokenizer)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyserve.engine import executor
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.kernels import triton_attention
 from tinyserve.models import loader
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.testing.checkpoints import build_hf, llama_config, qwen2_config, save_hf
+from tinyserve.worker import executor
 from tinyserve.worker.decode_graphs import DecodeGraphs, buckets_for
 from tinyserve.worker.model_runner import ModelRunner, StepInput
 

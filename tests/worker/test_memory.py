@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tinyserve.engine.arg_utils import EngineArgs
-from tinyserve.engine.executor import Executor
 from tinyserve.models.loader import load_model
 from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
 from tinyserve.worker import memory
+from tinyserve.worker.executor import Executor
 
 GiB = 2**30
 
@@ -44,10 +44,12 @@ def test_profile_run_makes_the_largest_step(tiny_llama_dir, cpu_kernels):
 
 def test_cpu_takes_the_fixed_budget_unless_given(tiny_llama_dir):
     args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", device="cpu")
-    ex = Executor(args)
+    ex = Executor(args.create_configs())
     assert ex.kv_cache_bytes <= memory.DEFAULT_KV_CACHE_BYTES
     assert ex.kv_cache_bytes > memory.DEFAULT_KV_CACHE_BYTES - ex.kv_cache_bytes / ex.num_blocks
-    small = Executor(EngineArgs(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="1MiB"))
+    small = Executor(
+        EngineArgs(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="1MiB").create_configs()
+    )
     assert small.kv_cache_bytes <= 2**20 < 2 * small.kv_cache_bytes
 
 
@@ -63,18 +65,18 @@ def test_cuda_budget_comes_from_the_profile_unless_given(monkeypatch):
     tp = SimpleNamespace(device=SimpleNamespace(type="cuda"))
     ex = SimpleNamespace(model=None)
     args = EngineArgs(max_num_batched_tokens=384, max_num_seqs=48, gpu_memory_utilization=0.8)
-    assert Executor._kv_budget(ex, args, tp) == 5 * GiB
+    assert Executor._kv_budget(ex, args.create_configs(), tp) == 5 * GiB
     assert calls == [(384, 48, 0.8)]  # the largest step the scheduler can make
     # Given explicitly: the flag wins; the profile still runs (it is the warm-up).
     given = EngineArgs(kv_cache_memory="2GiB")
-    assert Executor._kv_budget(ex, given, tp) == 2 * GiB and len(calls) == 2
+    assert Executor._kv_budget(ex, given.create_configs(), tp) == 2 * GiB and len(calls) == 2
 
     def full(*a):
         raise ValueError("no GPU memory left for the KV cache")
 
     monkeypatch.setattr(memory, "cuda_kv_budget", full)
     with pytest.raises(ValueError, match="no GPU memory"):
-        Executor._kv_budget(ex, EngineArgs(), tp)
-    assert Executor._kv_budget(ex, given, tp) == 2 * GiB  # sized by the flag: not an error
+        Executor._kv_budget(ex, EngineArgs().create_configs(), tp)
+    assert Executor._kv_budget(ex, given.create_configs(), tp) == 2 * GiB  # sized by the flag: not an error
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert Executor._kv_budget(ex, EngineArgs(), cpu) == memory.DEFAULT_KV_CACHE_BYTES
+    assert Executor._kv_budget(ex, EngineArgs().create_configs(), cpu) == memory.DEFAULT_KV_CACHE_BYTES

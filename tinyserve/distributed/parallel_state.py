@@ -51,6 +51,17 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, device=self._object_device())
         return box[0]
 
+    def gather(self, obj: object) -> list | None:
+        """Every rank sends ``obj`` (picklable); rank 0 returns them in rank order, the
+        others None."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         if self.size > 1:
             import torch.distributed as dist

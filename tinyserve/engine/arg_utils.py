@@ -1,12 +1,34 @@
-"""EngineArgs: every knob of the engine in one place, shared by LLM(), `generate` and `serve`."""
+"""EngineArgs: every knob of the engine in one place, shared by LLM(), `generate` and `serve`;
+``create_configs()`` turns them, once, at the edge, into the frozen configs the engine's
+parts take (``EngineConfig``)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
 
-from tinyserve.config import KV_CACHE_DTYPES, parse_size
+from tinyserve.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_size,
+)
 from tinyserve.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of one engine, one frozen config per concern. The executor (and every
+    tensor-parallel rank) reads ``load``, ``cache``, ``parallel`` and ``scheduler``; the core
+    ``scheduler`` (its ``max_model_len`` set once the KV cache is sized) and ``speculative``."""
+
+    load: LoadConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -39,13 +61,36 @@ class EngineArgs:
     kernel_activations: str = "auto"  # GGUF blocks: bf16 activations where AVX512-BF16 is
     fused_step: bool = True  # all layers in one C call (kernels/step.c) on the kernel path
     # Speculative decoding (spec_decode/): vLLM's JSON, e.g. '{"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'.
-    speculative_config: str | dict | None = None
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}', or the
+    # parsed config (what the --speculative-config flag gives).
+    speculative_config: str | dict | SpeculativeConfig | None = None
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (worker/decode_graphs.py)
 
     @property
     def kv_cache_bytes(self) -> int | None:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+
+    def create_configs(self) -> EngineConfig:
+        """The frozen configs, validated (a ValueError names the setting)."""
+        spec = self.speculative_config
+        load_names = {f.name for f in fields(LoadConfig)}
+        return EngineConfig(
+            load=LoadConfig(**{k: v for k, v in vars(self).items() if k in load_names}),
+            cache=CacheConfig(
+                block_size=self.block_size, num_blocks=self.num_blocks,
+                kv_cache_memory=self.kv_cache_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=None, policy=self.scheduling_policy,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_decode_step_ms=self.max_decode_step_ms or None,
+            ),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            speculative=spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec),
+        )  # fmt: skip
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -122,13 +167,12 @@ def _add_scheduler_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
     )
 
 
-def _speculative_config(text: str) -> str:
-    """Checked when the flags are parsed, so a bad value is a usage error, not a traceback."""
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    """Parsed (once) when the flags are, so a bad value is a usage error, not a traceback."""
     try:
-        SpeculativeConfig.parse(text)
+        return SpeculativeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:

@@ -25,6 +25,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served any more."""
 
 
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank is gone: the group cannot run another step."""
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_queued_requests``; the client should retry later."""
 

@@ -6,21 +6,23 @@ from a failed forward live in ``_check_health`` and ``_execute``, around the ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tinyserve.config import SchedulerConfig
-from tinyserve.engine.arg_utils import EngineArgs
-from tinyserve.engine.client import EngineStats
+from tinyserve.engine.arg_utils import EngineConfig
+from tinyserve.engine.client import EngineStats, WorkerDiedError
 from tinyserve.engine.engine_view import EngineView
-from tinyserve.engine.executor import Executor
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyserve.request import Request, RequestStatus
-from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.proposer import NgramProposer
+
+if TYPE_CHECKING:  # the core stays torch-free: LLMEngine builds the executor and hands it in
+    from tinyserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -37,23 +39,21 @@ class EngineCore:
     def __init__(
         self,
         executor: Executor,
-        args: EngineArgs,
+        config: EngineConfig,
         structured: StructuredOutputManager | None = None,
     ) -> None:
         self.executor = executor
         self.structured = structured
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=executor.max_model_len,
-            policy=args.scheduling_policy,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            max_decode_step_ms=args.max_decode_step_ms or None,
+        # The context window is known once the executor has sized the KV cache.
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler, max_model_len=executor.max_model_len
         )
         self.kv_cache_manager = KVCacheManager(
-            executor.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
+            executor.num_blocks,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
-        spec = SpeculativeConfig.parse(args.speculative_config)
+        spec = config.speculative
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.proposer)
         self.num_steps = 0  # steps run: the live view's and /metrics' common clock
@@ -84,8 +84,6 @@ class EngineCore:
 
     def _check_health(self) -> None:
         if (problem := self.executor.health_problem()) is not None:
-            from tinyserve.worker.tp_worker import WorkerDiedError
-
             raise WorkerDiedError(problem)
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[Request]]:

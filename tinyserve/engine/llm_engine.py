@@ -14,12 +14,12 @@ import time
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.client import EngineInfo, EngineStats
 from tinyserve.engine.core import EngineCore
-from tinyserve.engine.executor import Executor
 from tinyserve.engine.output_processor import OutputProcessor, as_prompts
 from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.outputs import StepOutput
 from tinyserve.request import RequestStatus
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ class LLMEngine:
         **kwargs,
     ) -> None:
         self.args = args = dataclasses.replace(args or EngineArgs(), **kwargs)
-        self.executor = executor if executor is not None else Executor(args)
+        self.config = args.create_configs()
+        self.executor = executor if executor is not None else Executor(self.config)
         try:
             if tokenizer is _LOAD:
                 from tinyserve.models.loader import load_tokenizer
@@ -54,7 +55,7 @@ class LLMEngine:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self.structured = StructuredOutputManager(tokenizer, config.vocab_size, self.eos_token_ids)
-        self.core = EngineCore(self.executor, args, self.structured)
+        self.core = EngineCore(self.executor, self.config, self.structured)
         self.max_model_len = self.executor.max_model_len
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         source = self.executor.source

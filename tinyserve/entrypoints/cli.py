@@ -87,10 +87,10 @@ def _is_torchrun_worker(ns: argparse.Namespace) -> bool:
     (which runs the command itself) and exit when it stops."""
     if getattr(ns, "tensor_parallel_size", 1) == 1:
         return False
-    from tinyserve.engine.executor import worker_spec
     from tinyserve.worker.tp_worker import run_torchrun_worker
 
-    return run_torchrun_worker(worker_spec(EngineArgs.from_namespace(ns)))
+    config = EngineArgs.from_namespace(ns).create_configs()
+    return run_torchrun_worker(config.load, config.cache, config.parallel.tensor_parallel_size)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tinyserve.config import ModelConfig
+from tinyserve.config import LoadConfig, ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup
 from tinyserve.models.gguf_checkpoint import GGUFCheckpoint
 from tinyserve.models.llama import LlamaForCausalLM
@@ -29,6 +29,8 @@ __all__ = [
     "layer_matmuls",
     "load_model",
     "load_model_config",
+    "load_shard",
+    "numerics_path",
     "load_tokenizer",
     "resolve_model_source",
 ]
@@ -68,6 +70,31 @@ def load_model_config(
         raise ValueError(f"{config_path}: missing field {e}") from e
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from e
+
+
+def load_shard(load: LoadConfig, dtype: torch.dtype, device, tp: TPGroup | None = None):
+    """This rank's shard as ``load`` says: the one call of :func:`load_model` the engine's
+    ranks make (driver and workers alike), so every load setting reaches every rank."""
+    return load_model(
+        load.model, dtype, device, max_position=load.max_model_len, tp=tp,
+        cpu_kernels=load.cpu_kernels, quantization=load.quantization,
+        decode_activations=load.decode_activations, fused_step=load.fused_step,
+        kernel_activations=load.kernel_activations,
+    )  # fmt: skip
+
+
+def numerics_path(net: LlamaForCausalLM) -> str:
+    """What arithmetic a loaded model runs: each linear method and how many layers take it,
+    the attention backend (and tiles), the fused step. Tensor-parallel ranks compare theirs
+    with the driver's at start-up (worker/executor.py)."""
+    methods: dict[str, int] = {}
+    for layer in net.linear_layers().values():
+        methods[layer.method.name] = methods.get(layer.method.name, 0) + 1
+    tiles = any(getattr(m, "tiles", False) for m in net.modules())
+    return (
+        f"linears {dict(sorted(methods.items()))}; attention {net.attention_backend}"
+        f"{' on tiles' if tiles else ''}; fused step {net.model.step_plan is not None}"
+    )
 
 
 def load_model(

@@ -21,36 +21,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinyserve.config import CacheConfig, LoadConfig
 from tinyserve.distributed.parallel_state import TPGroup, cpu_threads_per_rank, init_tp_group
 from tinyserve.kernels.build import set_kernel_threads
+from tinyserve.models.loader import load_shard, numerics_path
+from tinyserve.worker.autotune import resolve_engine_dtype
+from tinyserve.worker.device import resolve_device
+from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
+from tinyserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker rank needs to build its shard (picklable; the engine fills it in)."""
-
-    model: str | None
-    dtype: str
-    device: str
-    max_model_len: int | None
-    block_size: int
-    tensor_parallel_size: int
-    cpu_kernels: bool = True
-    quantization: str | None = None
-    decode_activations: str = "float32"
-    kv_cache_dtype: str = "auto"
 
 
 def _use_threads(n: int) -> None:
     """This rank's share of the cores, for torch's pool and for the CPU kernels."""
     torch.set_num_threads(n)
     set_kernel_threads(n)
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank is gone: the group cannot run another step."""
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -138,9 +124,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPDriver:
-    """On rank 0: start (or, under torchrun, join) the other ranks; returns once all joined."""
-    size = spec.tensor_parallel_size
+def start_tensor_parallel(
+    load: LoadConfig, cache: CacheConfig, size: int, device: torch.device
+) -> TPDriver:
+    """On rank 0: start (or, under torchrun, join) the other ranks, each given the driver's
+    own ``load`` and ``cache`` configs; returns once all joined."""
     env = torchrun_rank()
     threads = cpu_threads_per_rank(size) if device.type == "cpu" else None
     if threads:
@@ -162,7 +150,7 @@ def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPDriver:
     for rank in range(1, size):
         p = ctx.Process(
             target=worker_main,
-            args=(rank, size, init_method, spec, threads),
+            args=(rank, size, init_method, load, cache, threads),
             name=f"tinyserve-tp{rank}",
             daemon=True,  # never outlive the engine process
         )
@@ -173,57 +161,49 @@ def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPDriver:
 
 
 def worker_main(
-    rank: int, size: int, init_method: str, spec: WorkerSpec, threads: int | None = None
+    rank: int,
+    size: int,
+    init_method: str,
+    load: LoadConfig,
+    cache: CacheConfig,
+    threads: int | None = None,
 ) -> None:
     """A non-driver rank: load the shard, allocate the KV shard, run the driver's steps."""
-    from tinyserve.models.loader import load_model
-    from tinyserve.worker.autotune import resolve_engine_dtype
-    from tinyserve.worker.device import resolve_device
-    from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
-    from tinyserve.worker.model_runner import ModelRunner
-
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING)
     if threads:
         _use_threads(threads)
-    base = resolve_device(spec.device)
+    base = resolve_device(load.device)
     device = rank_device(base, rank)
-    dtype = resolve_engine_dtype(spec.dtype, base, spec.model, spec.cpu_kernels, spec.quantization)
+    dtype = resolve_engine_dtype(
+        load.dtype, base, load.model, load.cpu_kernels, load.quantization, load.kernel_activations
+    )
     group = init_tp_group(rank, size, device, init_method)
     try:
-        model, _ = load_model(
-            spec.model,
-            dtype,
-            device,
-            max_position=spec.max_model_len,
-            tp=group,
-            cpu_kernels=spec.cpu_kernels,
-            quantization=spec.quantization,
-            decode_activations=spec.decode_activations,
-        )
+        model, _ = load_shard(load, dtype, device, group)
         num_blocks = group.broadcast()
         if num_blocks is None:  # the driver failed to start
             return
-        kv_dtype = resolve_kv_cache_dtype(spec.kv_cache_dtype, model)
-        runner = ModelRunner(model, num_blocks, spec.block_size, device, kv_dtype=kv_dtype)
+        kv_dtype = resolve_kv_cache_dtype(load.kv_cache_dtype, model)
+        runner = ModelRunner(model, num_blocks, cache.block_size, device, kv_dtype=kv_dtype)
         group.barrier()
+        group.gather(numerics_path(model))  # the driver checks it is its own
         runner.serve_driver()
     finally:
         group.destroy()
 
 
-def run_torchrun_worker(spec: WorkerSpec) -> bool:
+def run_torchrun_worker(load: LoadConfig, cache: CacheConfig, size: int) -> bool:
     """Under torchrun, ranks > 0 of ``serve`` / ``generate`` become workers: returns True
     after serving (the command then exits), False on rank 0 (which goes on to build the
     engine)."""
     env = torchrun_rank()
-    if env is None or env[0] == 0 or spec.tensor_parallel_size == 1:
+    if env is None or env[0] == 0 or size == 1:
         return False
     rank, world = env
-    if world != spec.tensor_parallel_size:
-        raise SystemExit(
-            f"--tensor-parallel-size {spec.tensor_parallel_size} but WORLD_SIZE is {world}"
-        )
-    # torchrun sets OMP_NUM_THREADS=1 unless the user chose; keep what it set.
-    worker_main(rank, world, "env://", spec, None)
+    if world != size:
+        raise SystemExit(f"--tensor-parallel-size {size} but WORLD_SIZE is {world}")
+    # torchrun sets OMP_NUM_THREADS=1 unless the user chose; keep what it set. The dtype is
+    # resolved here as on the driver (the same calibration cache).
+    worker_main(rank, world, "env://", load, cache, None)
     return True

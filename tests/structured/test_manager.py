@@ -124,3 +124,40 @@ def test_spec_keys_and_constructors():
     ]:
         with pytest.raises(ValueError, match="^response_format: "):
             bad()
+
+
+def _tb_len(e: BaseException) -> int:
+    n, tb = 0, e.__traceback__
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
+
+
+def test_a_cached_failure_is_read_not_re_raised(smollm2_tokenizer):
+    """A failed compile is cached, and every request for that spec used to re-raise the same
+    exception object: each raise extended its traceback and kept that request's frames
+    alive (the 60-minute hostile soak grew 38% in RSS). Both ways to a compiled grammar now
+    read the cached exception and raise a fresh ValueError."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tinyserve.engine.async_engine import AsyncEngine
+    from tinyserve.engine.structured_output import StructuredOutputManager
+    from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+    tok = smollm2_tokenizer
+    manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,))
+    bad = StructuredOutputsParams(json={"type": "object", "not": {"type": "string"}})
+    params = SamplingParams(structured_outputs=bad)
+    with pytest.raises(ValueError, match="'not'"):
+        manager.compiled(params)
+    cached = manager.submit(params).exception()
+    before = _tb_len(cached)
+    engine = SimpleNamespace(engine=SimpleNamespace(compile_grammar=manager.submit))
+    for _ in range(20):
+        with pytest.raises(ValueError, match="'not'") as raised:
+            manager.compiled(params)
+        assert raised.value is not cached
+        with pytest.raises(ValueError, match="'not'"):
+            asyncio.run(AsyncEngine.prepare(engine, params))
+    assert _tb_len(cached) == before

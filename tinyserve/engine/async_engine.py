@@ -37,6 +37,7 @@ from tinyserve.engine.client import (
     SyncEngine,
 )
 from tinyserve.engine.output_processor import as_prompts
+from tinyserve.engine.structured_output import fresh_error
 from tinyserve.engine.view_feed import ViewFeed
 from tinyserve.outputs import StepOutput
 from tinyserve.sampling_params import SamplingParams
@@ -191,7 +192,10 @@ class AsyncEngine:
         thread: compiling a constrained request's grammar (ValueError for a bad spec)."""
         future = self.engine.compile_grammar(params)
         if future is not None:
-            await asyncio.wrap_future(future)
+            wrapped = asyncio.wrap_future(future)
+            await asyncio.wait([wrapped])
+            if (error := wrapped.exception()) is not None:  # read, never re-raised
+                raise fresh_error(error)
 
     def add_request(
         self, request_id: str, prompts: list[list[int]] | list[int], params: SamplingParams

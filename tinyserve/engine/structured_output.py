@@ -111,7 +111,11 @@ class StructuredOutputManager:
         """The request's compiled grammar, or None (blocks while it compiles: the async front
         has already awaited it, so there it is a cache hit). Raises ValueError for a bad spec."""
         future = self.submit(params)
-        return None if future is None else future.result()
+        if future is None:
+            return None
+        if (error := future.exception()) is not None:  # read, never re-raised
+            raise fresh_error(error)
+        return future.result()
 
     def attach(self, compiled, children: list[Request]) -> None:
         """Give each child its own matcher over the compiled grammar."""
@@ -151,3 +155,13 @@ def _fill_with_drafts(grammar, drafts: list[int], bitmask, row: int) -> None:
             bitmask[row + j] = bitmask[row + j - 1]
     if advanced:
         grammar.rollback(advanced)
+
+
+def fresh_error(e: BaseException) -> ValueError:
+    """A new ValueError with ``e``'s message. A failed compile's future is cached, and every
+    request asking for that spec re-raised the same exception object: each raise extended
+    its traceback, keeping every such request's frames (bodies, prompts) alive — the hostile
+    grammar soak's memory growth (issue 37). The cached exception is read, never raised."""
+    if not isinstance(e, ValueError):  # the pool settles only ValueErrors; anything else is ours
+        raise e
+    return ValueError(str(e))

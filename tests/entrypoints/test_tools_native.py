@@ -64,7 +64,7 @@ def hermes_server(smollm2_gguf_path, tmp_path_factory):
 def test_template_renders_tools_and_past_calls(hermes_server):
     from tinyserve.entrypoints import protocol as P
 
-    serving = hermes_server.app.state.serving
+    serving = hermes_server.app.state.serving_chat
     call = T.ToolCall(
         id="call_1", function=T.FunctionCall(name="get_weather", arguments='{"city": "Oslo"}')
     )

@@ -40,8 +40,10 @@ from tinyserve.entrypoints.http_guards import (
 from tinyserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.entrypoints.playground import playground_router
 from tinyserve.entrypoints.protocol import OpenAIError
-from tinyserve.entrypoints.serving import OpenAIServing
-from tinyserve.entrypoints.serving_responses import responses_router
+from tinyserve.entrypoints.serving_chat import ChatServing
+from tinyserve.entrypoints.serving_completion import CompletionServing
+from tinyserve.entrypoints.serving_responses import ResponsesServing, responses_router
+from tinyserve.entrypoints.serving_tokens import TokenizeServing
 
 logger = logging.getLogger(__name__)
 
@@ -55,28 +57,24 @@ _ERRORS = {
 }
 
 
-def _serving(request: Request) -> OpenAIServing:
-    return request.app.state.serving
-
-
 def _router() -> APIRouter:
     api = APIRouter(dependencies=[Depends(check_api_key)], responses=_ERRORS)
 
     @api.post("/v1/chat/completions", response_model=P.ChatCompletionResponse)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         """Chat completion; `stream: true` answers with `text/event-stream` chunks."""
-        return await _serving(request).chat(body, request)
+        return await request.app.state.serving_chat.handle(body, request)
 
     @api.post("/v1/completions", response_model=P.CompletionResponse)
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with `text/event-stream` chunks."""
-        return await _serving(request).completion(body, request)
+        return await request.app.state.serving_completion.handle(body, request)
 
     @api.get("/v1/models", response_model=P.ModelList)
     async def models(request: Request) -> P.ModelList:
         state = request.app.state
         card = P.ModelCard(
-            id=state.serving.model_name,
+            id=state.model_name,
             root=state.model_root,
             max_model_len=state.async_engine.max_model_len,
         )
@@ -84,11 +82,11 @@ def _router() -> APIRouter:
 
     @api.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(body: P.TokenizeRequest, request: Request) -> P.TokenizeResponse:
-        return _serving(request).tokenize(body)
+        return request.app.state.serving_tokens.tokenize(body)
 
     @api.post("/detokenize", response_model=P.DetokenizeResponse)
     async def detokenize(body: P.DetokenizeRequest, request: Request) -> P.DetokenizeResponse:
-        return _serving(request).detokenize(body)
+        return request.app.state.serving_tokens.detokenize(body)
 
     # The OpenAPI document and its viewer sit behind the key too (FastAPI's own are off).
     @api.get("/openapi.json", include_in_schema=False)
@@ -158,9 +156,13 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
         redoc_url=None,
     )
     app.state.async_engine = async_engine
-    app.state.serving = OpenAIServing(
-        async_engine, model_name, config.shutdown_timeout, log_requests=config.log_requests
-    )
+    # One handler per API over the shared steps (serving.py).
+    common = (async_engine, model_name, config.shutdown_timeout, config.log_requests)
+    app.state.model_name = model_name
+    app.state.serving_chat = ChatServing(*common)
+    app.state.serving_completion = CompletionServing(*common)
+    app.state.serving_responses = ResponsesServing(*common)
+    app.state.serving_tokens = TokenizeServing(*common)
     app.state.metrics = metrics
     app.state.api_key = config.api_key
     app.state.max_request_bytes = config.max_request_bytes

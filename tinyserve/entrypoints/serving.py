@@ -1,20 +1,26 @@
-"""OpenAI request handling: prompt -> token ids -> SamplingParams -> AsyncEngine -> responses.
+"""The base of every API handler: the steps a request takes whatever its API, in order.
 
-Chat prompts go through the tokenizer's chat template (with the assistant generation prompt);
-completion prompts may be text, token ids or lists of either (one engine request for all of
-them; the engine numbers the choices prompt_index * n + sample_index, as OpenAI). Templating
-and tokenising of large inputs run in a worker thread, so a megabyte prompt does not stall the
-other streams on the event loop. Streams are ``data: {json}`` events ending with
-``data: [DONE]``; a failure after streaming began is sent as an ``{"error": ...}`` event
-before ``[DONE]``.
+``OpenAIServing.handle`` is the whole walk: check the model -> ``prepare`` (the API's own
+fields: validate, SamplingParams, prompt token ids; a ``Job``) -> log -> ``add`` (compile
+the grammar off the loop, submit to the engine) -> ``submitted`` (a hook) -> stream
+(``sse_response``: ``chunks`` is the one SSE skeleton, ``stream_chunks`` the API's part of
+it) or collect (``response``). One small class per API fills in those hooks:
+serving_chat.py, serving_completion.py, serving_responses.py, serving_tokens.py.
+
+Shared here so that it is written once: the tokenizer and chat template, the common
+sampling fields, a response format as a grammar (``format_constraint``: chat's
+``response_format``, the Responses API's ``text.format``), the rules between a format,
+vLLM's ``structured_outputs`` and tools (``constraint``), tool grammars and parsers, and
+token strings for logprobs. Templating and tokenising of large inputs run in a worker thread
+(streaming.off_loop), so a megabyte prompt does not stall the other streams on the loop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -22,26 +28,42 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream, QueueFullError
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
-from tinyserve.entrypoints.serving_chat import ChatServing
 from tinyserve.entrypoints.streaming import (
+    Choice,
     collect,
     engine_error,
     finish_reason_of,
-    input_size,
-    off_loop,
     outputs,
     sse,
     until_disconnect,
     usage_info,
 )
+from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
+from tinyserve.outputs import StepOutput, Usage
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 
-class OpenAIServing(ChatServing):
-    """The handlers behind /v1/chat/completions, /v1/completions, /tokenize, /detokenize."""
+@dataclass
+class Job:
+    """One request between ``prepare`` and its answer. APIs subclass it for their own state."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    tools: list[T.Tool] = field(default_factory=list)
+
+
+class OpenAIServing:
+    """The shared steps; an API subclass implements ``prepare`` and ``response`` (and, to
+    stream, ``stream_chunks``, or ``sse_response`` for a framing of its own)."""
+
+    chunk_object = ""  # the streamed chunks' "object"
 
     def __init__(
         self,
@@ -57,6 +79,68 @@ class OpenAIServing(ChatServing):
         # On SIGTERM, streams in flight get this long to finish (then they are cut).
         self.shutdown_grace_period = shutdown_grace_period
         self._token_str_cache: dict[int, str] = {}
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    async def handle(self, req: Any, raw: Request) -> Response:
+        self.check_model(req.model)
+        try:
+            job = await self.prepare(req, raw)
+            self.log_request(job.request_id, req)
+            stream = await self.add(job)
+        except OpenAIError as e:
+            raise self.api_error(e) from None
+        try:
+            await self.submitted(job, stream)
+        except BaseException:
+            stream.abort()
+            raise
+        if job.stream:
+            return self.sse_response(job, stream)
+        choices, usage = await until_disconnect(raw, collect(stream), stream)
+        return JSONResponse(self.response(job, choices, usage))
+
+    async def prepare(self, req: Any, raw: Request) -> Job:
+        raise NotImplementedError
+
+    async def submitted(self, job: Job, stream: OutputStream) -> None:
+        """After the engine took the request (it validated the token ids); a failure here
+        aborts it."""
+
+    def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def api_error(self, e: OpenAIError) -> OpenAIError:
+        """An error of the shared steps, in this API's terms (its field names)."""
+        return e
+
+    # -- streaming: one skeleton ---------------------------------------------------------------
+
+    def sse_response(self, job: Job, stream: OutputStream) -> Response:
+        return sse(self.chunks(job, stream), self.shutdown_grace_period)
+
+    async def chunks(self, job: Job, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
+        """``data:`` chunks: the API's opening chunks, its chunks for each engine output, and
+        with ``include_usage`` one last chunk with no choices and the usage."""
+        head = {"id": job.request_id, "object": self.chunk_object, "created": int(time.time())}
+        head["model"] = self.model_name
+        for chunk in self.stream_start(job, head):
+            yield chunk
+        usage = None
+        async for out in outputs(stream):
+            usage = out.usage or usage
+            for chunk in self.stream_chunks(job, head, out, finish_reason_of(out)):
+                yield chunk
+        if job.include_usage:
+            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
+
+    def stream_start(self, job: Job, head: dict[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+    def stream_chunks(
+        self, job: Job, head: dict[str, Any], out: StepOutput, finish: str | None
+    ) -> list[dict[str, Any]]:
+        raise NotImplementedError
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -80,19 +164,41 @@ class OpenAIServing(ChatServing):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
-        """Normalise a completions ``prompt`` to a list of token-id lists."""
-        if isinstance(prompt, str):
-            return [self.encode(prompt)]
-        if not prompt:
-            raise bad_request("prompt: must not be empty", "prompt")
-        if isinstance(prompt[0], int):
-            return [list(prompt)]
-        if isinstance(prompt[0], str):
-            return [self.encode(p) for p in prompt]
-        return [list(p) for p in prompt]
+    def chat_prompt_ids(
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[T.Tool] | None = None,
+        tool_choice: T.ToolChoice | None = None,
+    ) -> list[int]:
+        """Messages through the tokenizer's chat template (tools rendered by the template
+        when it knows them, else as tools.py writes them)."""
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "\n".join(part.text for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        kwargs: dict[str, Any] = {}
+        if tools and T.hermes_template(self.tokenizer):  # the template renders the tools
+            conversation = T.native_messages(conversation, messages)
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        else:
+            conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+            )
+        except OpenAIError:
+            raise
+        except Exception as e:  # the template rejected the conversation (jinja raise_exception)
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def sampling_params(self, req: P._SamplingFields, **extra: Any) -> SamplingParams:
+        """The sampling fields every API shares, plus the API's own (``extra``)."""
         kwargs: dict[str, Any] = {
             "n": req.n,
             "temperature": req.temperature,
@@ -110,7 +216,6 @@ class OpenAIServing(ChatServing):
             "min_tokens": req.min_tokens,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
-            "structured_outputs": self.structured_outputs(req),
             **extra,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
@@ -119,51 +224,72 @@ class OpenAIServing(ChatServing):
         except (ValueError, TypeError) as e:
             raise bad_request(e) from None
 
-    @staticmethod
-    def structured_outputs(req: P._SamplingFields) -> StructuredOutputsParams | None:
-        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both."""
-        fmt, so = req.response_format, req.structured_outputs
-        if fmt is not None and fmt.type != "text" and so is not None:
+    # -- what the output must match ------------------------------------------------------------
+
+    def constraint(
+        self,
+        req: P._SamplingFields,
+        fmt: StructuredOutputsParams | None,
+        fmt_field: str,
+        tools: list[T.Tool],
+        tool_choice: T.ToolChoice | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> StructuredOutputsParams | None:
+        """The request's one constraint: its response format (``fmt``, from the API's field
+        ``fmt_field``), vLLM's ``structured_outputs``, or the tools' grammar — a 400 when it
+        asks for two."""
+        so = _structured_outputs_field(req.structured_outputs)
+        if fmt is not None and so is not None:
             raise bad_request(
-                "structured_outputs: give response_format or structured_outputs, not both",
+                f"structured_outputs: give {fmt_field} or structured_outputs, not both",
                 "structured_outputs",
             )
-        try:
-            if so is not None:
-                return StructuredOutputsParams(
-                    json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                    json_object=so.json_object,
-                )  # fmt: skip
-            if fmt is None or fmt.type == "text":
-                return None
-            if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True, field="response_format")
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise ValueError("response_format: json_schema needs json_schema.schema")
-            return StructuredOutputsParams(json=fmt.json_schema.schema_, field="response_format")
-        except ValueError as e:
-            param = "structured_outputs" if so is not None else "response_format"
-            raise bad_request(e, param) from None
+        if not tools:
+            return fmt or so
+        if fmt is not None or so is not None:
+            raise bad_request(f"tools: cannot be combined with {fmt_field}", "tools")
+        if T.hermes_template(self.tokenizer):  # the template's <tool_call> blocks
+            grammar = T.hermes_grammar(tools, tool_choice, parallel_tool_calls)
+            return StructuredOutputsParams(grammar=grammar, field="tools")
+        schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls)
+        return StructuredOutputsParams(json=schema, field="tools")
 
-    def _log_request(self, request_id: str, req) -> None:
+    @staticmethod
+    def checked_tools(tools: list[T.Tool] | None, choice: T.ToolChoice | None) -> list[T.Tool]:
+        """The tools the model may call (tools.check_tools); bad ones are a 400."""
+        try:
+            return T.check_tools(tools, choice)
+        except ValueError as e:
+            raise bad_request(e, "tool_choice" if "tool_choice" in str(e) else "tools") from None
+
+    def parse_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+        """A whole answer's content and calls."""
+        if T.hermes_template(self.tokenizer):
+            return T.parse_native(text)
+        return T.parse_output(text)
+
+    def tool_stream(self) -> HermesStream | EnvelopeStream:
+        """A parser of the streamed answer, the counterpart of ``parse_tools``."""
+        return HermesStream() if T.hermes_template(self.tokenizer) else EnvelopeStream()
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def log_request(self, request_id: str, req: Any) -> None:
         if self.log_requests:
             logger.info("request %s: %s", request_id, req.model_dump_json(exclude_none=True))
 
-    async def add(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
-    ) -> OutputStream:
+    async def add(self, job: Job) -> OutputStream:
         """Prepare (compile a grammar, off the loop) and add a request; errors map to HTTP."""
         try:
-            await self.engine.prepare(params)
-            return self.engine.add_request(request_id, prompts, params)
+            await self.engine.prepare(job.params)
+            return self.engine.add_request(job.request_id, job.prompts, job.params)
         except ValueError as e:
             raise bad_request(e) from None
         except (QueueFullError, EngineDeadError) as e:
             raise engine_error(e) from None
 
-    # -- logprobs ------------------------------------------------------------------------------
-
     def token_str(self, token_id: int) -> str:
+        """A token's text, for logprobs."""
         s = self._token_str_cache.get(token_id)
         if s is None:
             tok = self.engine.tokenizer
@@ -172,107 +298,40 @@ class OpenAIServing(ChatServing):
                 self._token_str_cache[token_id] = s
         return s
 
-    # -- completions ---------------------------------------------------------------------------
 
-    def _echo_texts(self, prompts: list[list[int]], echo: bool) -> list[str]:
-        return [self.tokenizer.decode(p) if echo else "" for p in prompts]
+def format_constraint(
+    kind: str | None, schema: dict[str, Any] | None, field: str, schema_field: str
+) -> StructuredOutputsParams | None:
+    """A response format as a grammar: chat's ``response_format`` and the Responses API's
+    ``text.format`` (``field`` and ``schema_field`` name them in errors)."""
+    if kind is None or kind == "text":
+        return None
+    if kind == "json_schema" and schema is None:
+        raise bad_request(f"{schema_field}: json_schema needs a schema", schema_field)
+    try:
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True, field=field)
+        return StructuredOutputsParams(json=schema, field=field)
+    except ValueError as e:
+        raise bad_request(e, field) from None
 
-    async def completion(self, req: P.CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        if req.suffix:
-            raise bad_request("suffix: not supported", "suffix")
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        size = input_size(req.prompt) if isinstance(req.prompt, str | list) else 0
-        prompts = await off_loop(size, self.completion_prompts, req.prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        self._log_request(request_id, req)
-        stream = await self.add(request_id, prompts, params)  # validates the token ids
-        try:
-            echo_texts = await off_loop(size, self._echo_texts, prompts, req.echo)
-        except BaseException:
-            stream.abort()
-            raise
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._completion_stream(
-                request_id, stream, params, prompts, echo_texts, req.echo, include_usage
-            )
-            return sse(gen, self.shutdown_grace_period)
-        choices, usage = await until_disconnect(raw, collect(stream), stream)
-        result_choices = []
-        for i, c in enumerate(choices):
-            logprobs = None
-            if params.logprobs is not None:
-                echo_ids = prompts[c.prompt_index] if req.echo else None
-                logprobs = P.completion_logprobs(c.logprobs, self.token_str, 0, echo_ids)
-            result_choices.append(
-                P.CompletionChoice(
-                    index=i,
-                    text=echo_texts[c.prompt_index] + c.text,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-            )
-        result = P.CompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=result_choices,
-            usage=usage_info(usage),
-        )
-        return JSONResponse(P.dump(result))
 
-    async def _completion_stream(
-        self,
-        request_id: str,
-        stream: OutputStream,
-        params: SamplingParams,
-        prompts: list[list[int]],
-        echo_texts: list[str],
-        echo: bool,
-        include_usage: bool,
-    ) -> AsyncIterator[dict[str, Any]]:
-        head = {"id": request_id, "object": "text_completion", "created": int(time.time())}
-        head["model"] = self.model_name
-        offsets: dict[int, int] = {}  # choice index -> characters sent
-        usage = None
-        async for out in outputs(stream):
-            usage = out.usage or usage
-            fr = finish_reason_of(out)
-            text, echo_ids = out.text_delta, None
-            if echo and out.index not in offsets:  # the choice's first event carries the echo
-                text = echo_texts[out.prompt_index] + text
-                echo_ids = prompts[out.prompt_index]
-            if not text and fr is None and not out.logprobs:
-                continue
-            offset = offsets.get(out.index, 0)
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = P.completion_logprobs(out.logprobs, self.token_str, offset, echo_ids)
-            offsets[out.index] = offset + len(text)
-            choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": fr}
-            yield {**head, "choices": [choice]}
-        if include_usage:
-            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
+def response_format(req: P._SamplingFields) -> StructuredOutputsParams | None:
+    """Chat's and completions' ``response_format`` as a grammar."""
+    fmt = req.response_format
+    schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema else None
+    kind = fmt.type if fmt else None
+    return format_constraint(kind, schema, "response_format", "response_format.json_schema.schema")
 
-    # -- tokenize ------------------------------------------------------------------------------
 
-    def tokenize(self, req: P.TokenizeRequest) -> P.TokenizeResponse:
-        self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
-        if req.messages is not None:
-            ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
-        else:
-            ids = self.encode(req.prompt or "", req.add_special_tokens)
-        return P.TokenizeResponse(
-            count=len(ids), max_model_len=self.engine.info.max_model_len, tokens=ids
-        )
-
-    def detokenize(self, req: P.DetokenizeRequest) -> P.DetokenizeResponse:
-        self.check_model(req.model)
-        vocab = self.engine.info.vocab_size
-        for t in req.tokens:
-            if not 0 <= t < vocab:
-                raise bad_request(f"tokens: token id {t} is outside [0, {vocab})", "tokens")
-        return P.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+def _structured_outputs_field(so: P.StructuredOutputsField | None) -> StructuredOutputsParams | None:
+    """vLLM's ``structured_outputs`` body field."""
+    if so is None:
+        return None
+    try:
+        return StructuredOutputsParams(
+            json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+            json_object=so.json_object,
+        )  # fmt: skip
+    except ValueError as e:
+        raise bad_request(e, "structured_outputs") from None

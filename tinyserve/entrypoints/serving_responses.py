@@ -15,100 +15,84 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailedError
-from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.http_guards import check_api_key
-from tinyserve.entrypoints.protocol import ErrorResponse, OpenAIError, bad_request, dump
+from tinyserve.entrypoints.protocol import ErrorResponse, OpenAIError, dump
 from tinyserve.entrypoints.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
-    TextConfig,
     chat_messages,
     response_head,
 )
 from tinyserve.entrypoints.responses_stream import Event, ResponseBuilder, new_id
-from tinyserve.entrypoints.serving import OpenAIServing
+from tinyserve.entrypoints.serving import Job, OpenAIServing, format_constraint
 from tinyserve.entrypoints.streaming import (
-    collect,
+    Choice,
     engine_error,
     finish_reason_of,
     off_loop,
     outputs,
     sse,
-    until_disconnect,
 )
-from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tinyserve.outputs import Usage
 
 
-def text_format(text: TextConfig | None) -> StructuredOutputsParams | None:
-    """``text.format``: json_schema / json_object -> the structured-outputs grammar."""
-    fmt = text.format if text is not None else None
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True, field="text.format")
-    if fmt.schema_ is None:
-        raise bad_request("text.format.schema: json_schema needs a schema", "text.format.schema")
-    try:
-        return StructuredOutputsParams(json=fmt.schema_, field="text.format")
-    except ValueError as e:
-        raise bad_request(e, "text.format") from None
+@dataclass
+class ResponsesJob(Job):
+    builder: ResponseBuilder | None = None
 
 
-class ResponsesServing:
-    """The handler; ``serving`` (the app's ``OpenAIServing``) provides the chat path."""
+class ResponsesServing(OpenAIServing):
+    """The Responses API over the shared steps and the chat template; its own answer (output
+    items, typed events) is responses_stream.ResponseBuilder's."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-
-    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
-        s = self.serving
-        s.check_model(req.model)
+    async def prepare(self, req: ResponsesRequest, raw: Request) -> ResponsesJob:
         req.check_stateless()
         choice = req.chat_tool_choice()
-        tools = s.checked_tools(req.chat_tools(), choice)
+        tools = self.checked_tools(req.chat_tools(), choice)
+        fmt = req.text.format if req.text is not None else None
+        so = format_constraint(fmt.type if fmt else None, fmt.schema_ if fmt else None,
+                               "text.format", "text.format.schema")  # fmt: skip
+        so = self.constraint(req, so, "text.format", tools, choice, req.parallel_tool_calls)
+        params = self.sampling_params(req, max_tokens=req.max_output_tokens, structured_outputs=so)
+        # The body's size stands for the input's (templated off the loop when large).
         messages = chat_messages(req.input, req.instructions)
+        prompt_ids = await off_loop(
+            _body_size(raw), self.chat_prompt_ids, messages, True, tools, choice
+        )
         response_id = new_id("resp")
-        try:  # the chat path's messages name max_tokens
-            params = self._params(req, tools, choice)
-            # The body's size stands for the input's (templated off the loop when large).
-            prompt_ids = await off_loop(
-                _body_size(raw), s.chat_prompt_ids, messages, True, tools, choice
-            )
-            s._log_request(response_id, req)
-            stream = await s.add(response_id, [prompt_ids], params)
-        except OpenAIError as e:
-            raise _max_output_tokens(e) from None
-        builder = ResponseBuilder(response_head(req, response_id, s.model_name))
-        if req.stream:
-            events = self._events(builder, stream, s.tool_stream()() if tools else None)
-            return sse(events, s.shutdown_grace_period, typed=True)
-        (choice_out,), usage = await until_disconnect(raw, collect(stream), stream)
-        # The whole text through the stream's parser: the same items as when streamed.
-        parser = s.tool_stream()() if tools else None
-        for delta in _deltas(parser, choice_out.text, choice_out.finish_reason):
-            builder.chat_delta(delta)
-        builder.finish(choice_out.finish_reason, usage)
-        return JSONResponse(dump(builder.response))
+        builder = ResponseBuilder(response_head(req, response_id, self.model_name))
+        return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
+                            builder=builder)  # fmt: skip
 
-    def _params(
-        self, req: ResponsesRequest, tools: list[T.Tool], choice: T.ToolChoice | None
-    ) -> SamplingParams:
-        so = text_format(req.text)
-        if so is not None and req.structured_outputs is not None:
-            raise bad_request("text.format: give text.format or structured_outputs, not both",
-                              "text.format")  # fmt: skip
-        if tools:
-            if so is not None or req.structured_outputs is not None:
-                raise bad_request("tools: cannot be combined with text.format", "tools")
-            so = self.serving.tool_structured_outputs(tools, choice, req.parallel_tool_calls)
-        extra: dict[str, Any] = {"structured_outputs": so} if so is not None else {}
-        return self.serving.sampling_params(req, max_tokens=req.max_output_tokens, **extra)
+    def api_error(self, e: OpenAIError) -> OpenAIError:
+        """A 400 naming ``max_tokens`` names this API's field, max_output_tokens."""
+        if e.param == "max_tokens":
+            e.param = "max_output_tokens"
+            e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
+        return e
+
+    def response(
+        self, job: ResponsesJob, choices: list[Choice], usage: Usage | None
+    ) -> dict[str, Any]:
+        (choice,) = choices
+        # The whole text through the stream's parser: the same items as when streamed.
+        parser = self.tool_stream() if job.tools else None
+        for delta in _deltas(parser, choice.text, choice.finish_reason):
+            job.builder.chat_delta(delta)
+        job.builder.finish(choice.finish_reason, usage)
+        return dump(job.builder.response)
+
+    def sse_response(self, job: ResponsesJob, stream: OutputStream) -> Response:
+        parser = self.tool_stream() if job.tools else None
+        return sse(self._events(job.builder, stream, parser), self.shutdown_grace_period,
+                   typed=True)  # fmt: skip
 
     async def _events(
         self, builder: ResponseBuilder, stream: OutputStream, parser: Any
@@ -141,14 +125,6 @@ def _deltas(parser: Any, text: str, finish: str | None) -> list[dict[str, Any]]:
     return [delta for delta, _ in events]
 
 
-def _max_output_tokens(e: OpenAIError) -> OpenAIError:
-    """A 400 naming ``max_tokens`` names this API's field, max_output_tokens."""
-    if e.param == "max_tokens":
-        e.param = "max_output_tokens"
-        e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
-    return e
-
-
 def _body_size(raw: Request) -> int:
     length = raw.headers.get("content-length", "")
     return int(length) if length.isdigit() else 0
@@ -164,7 +140,7 @@ def responses_router() -> APIRouter:
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """A model response (stateless); ``stream: true`` answers with typed
         ``text/event-stream`` events (``event: response.created`` ...)."""
-        return await ResponsesServing(request.app.state.serving).create(body, request)
+        return await request.app.state.serving_responses.handle(body, request)
 
     @api.get("/v1/responses/{response_id}", responses={404: {"model": ErrorResponse}})
     async def get_response(response_id: str) -> Response:

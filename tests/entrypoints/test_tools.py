@@ -130,3 +130,42 @@ def test_bad_tool_requests_are_400s(server, extra, words):
     r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
+
+
+def test_tools_whose_parameters_use_defs_and_refs(oai):
+    """pydantic writes nested models as ``$defs`` + ``#/$defs/...`` refs relative to the
+    parameters' root; inside the envelope that root moved, and such tools were a 400
+    ("Pointer '/$defs/Address' does not exist"). Two of them side by side (same def name):
+    each call's arguments validate against its own tool's schema."""
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+        zip_code: str
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+        friends: list[Person] = []
+
+    class Order(BaseModel):
+        item: str
+        ship_to: Address
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": m.model_json_schema()}}
+             for n, m in (("add_person", Person), ("place_order", Order))]  # fmt: skip
+    assert "$defs" in tools[0]["function"]["parameters"]
+    calls = 0
+    for tool in tools:
+        choice = {"type": "function", "function": {"name": tool["function"]["name"]}}
+        r = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Do it for Ann in Oslo."}],
+            tools=tools, tool_choice=choice, max_tokens=200, temperature=0,
+        )  # fmt: skip
+        c = r.choices[0]
+        if c.finish_reason == "length":  # a small model may ramble; the shape still holds
+            continue
+        (call,) = c.message.tool_calls
+        _check_call(call, tool)
+        calls += 1
+    assert calls >= 1

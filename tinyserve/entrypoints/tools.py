@@ -105,26 +105,61 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
     return list(tools)
 
 
-def call_schema(tools: list[Tool]) -> dict:
-    """The JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``."""
+def call_schema(tools: list[Tool], defs: dict | None = None) -> dict:
+    """The JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``.
+    Parameters that use ``$ref`` are moved into ``defs`` (the envelope's root ``$defs``)."""
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
+                "arguments": _relocated(t.function.parameters or {"type": "object"}, i, defs),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
+def _relocated(params: dict, i: int, defs: dict | None) -> dict:
+    """Tool ``i``'s parameters, placed inside the envelope: their ``$ref``s point at the
+    parameters' own root (``#``, ``#/$defs/X``, ``#/definitions/X``, ``#/properties/...``),
+    which inside the envelope is no longer the document's root. So such parameters become
+    ``$defs/t{i}`` of the envelope, their definitions ``$defs/t{i}__X``, and every ref is
+    rewritten to match (pydantic-made tool schemas use ``$defs`` for nested models)."""
+    if defs is None or "$ref" not in json.dumps(params):
+        return params
+    own = f"t{i}"
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            parts = ref[2:].split("/", 2) if ref != "#" else []
+            if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+                out["$ref"] = "/".join([f"#/$defs/{own}__{parts[1]}", *parts[2:]])
+            else:
+                out["$ref"] = f"#/$defs/{own}" + (ref[1:] if ref != "#" else "")
+        return out
+
+    body = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    for key in ("$defs", "definitions"):
+        for name, schema in (params.get(key) or {}).items():
+            defs[f"{own}__{name}"] = rewrite(schema)
+    defs[own] = rewrite(body)
+    return {"$ref": f"#/$defs/{own}"}
+
+
 def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> dict:
     """The JSON schema the output must match (see the module docstring)."""
-    one_call = call_schema(tools)
+    defs: dict = {}
+    one_call = call_schema(tools, defs)
     # A named tool_choice asks for one call of that function, as OpenAI answers it.
     max_calls = MAX_PARALLEL_CALLS if parallel and not isinstance(choice, NamedToolChoice) else 1
     with_calls = {
@@ -137,11 +172,12 @@ def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool
         "required": ["tool_calls"],
         "additionalProperties": False,
     }  # fmt: skip
+    root = {"$defs": defs} if defs else {}
     if choice in (None, "auto"):
         text = {"type": "object", "properties": {"content": {"type": "string"}},
                 "required": ["content"], "additionalProperties": False}  # fmt: skip
-        return {"anyOf": [with_calls, text]}
-    return with_calls
+        return {**root, "anyOf": [with_calls, text]}
+    return {**root, **with_calls}
 
 
 def system_prompt(tools: list[Tool], choice: ToolChoice | None) -> str:

@@ -199,7 +199,7 @@ def table_sim(
                         s.request.request_id: [7] for s in out.scheduled if s.samples
                     }
                 )
-                for req in sched.update_from_output(out, res):
+                for req in sched.update_from_output(out, res).requests:
                     ttft.setdefault(req.request_id, clock)
                     if req.is_finished:
                         done.append(clock)

@@ -70,6 +70,16 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class SchedulerUpdate:
+    """What ``Scheduler.update_from_output`` made of a step: the requests that got a token or
+    finished, and the tokens each kept (a stop inside a speculative run drops the rest; the
+    runner's own output is left as the runner made it)."""
+
+    requests: list[Request] = field(default_factory=list)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class Usage:
     """A request's token counts: each prompt once (whatever ``n``), every choice's output."""
 

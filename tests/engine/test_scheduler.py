@@ -62,7 +62,7 @@ class FakeRunner:
 
 def step(sched: Scheduler, runner: FakeRunner | None = None):
     out = sched.schedule()
-    changed = sched.update_from_output(out, (runner or FakeRunner()).execute(out))
+    changed = sched.update_from_output(out, (runner or FakeRunner()).execute(out)).requests
     return out, changed
 
 
@@ -243,7 +243,7 @@ def test_abort_between_schedule_and_update_is_ignored():
     out = sched.schedule()
     result = FakeRunner().execute(out)
     assert sched.abort_request("a")
-    changed = sched.update_from_output(out, result)
+    changed = sched.update_from_output(out, result).requests
     a = out.scheduled[0].request
     assert [r.request_id for r in changed] == ["b"]
     assert a.status is RequestStatus.FINISHED_ABORTED and a.output_token_ids == []

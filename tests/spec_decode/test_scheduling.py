@@ -73,9 +73,10 @@ def test_a_stop_inside_an_accepted_run_keeps_nothing_after_it():
     runner_out = ModelRunnerOutput({"a": [13, 14, 15, 10, 77]})
     sched = _scheduler()
     req = _prefilled(sched, _request(stop_token_ids=[14]))
-    sched.update_from_output(sched.schedule(), runner_out)
+    update = sched.update_from_output(sched.schedule(), runner_out)
     assert req.output_token_ids == [12, 13, 14] and req.stop_reason == 14
-    assert runner_out.sampled_token_ids["a"] == [13, 14]  # what the API will see
+    assert update.new_token_ids["a"] == [13, 14]  # what the API will see
+    assert runner_out.sampled_token_ids["a"] == [13, 14, 15, 10, 77]  # handed on, not rewritten
     assert sched.kv_cache_manager.num_free_blocks == 64
 
 

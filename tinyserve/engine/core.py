@@ -17,7 +17,7 @@ from tinyserve.engine.engine_view import EngineView
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.structured_output import StructuredOutputManager
-from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput
+from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerUpdate
 from tinyserve.request import Request, RequestStatus
 from tinyserve.spec_decode.proposer import NgramProposer
 
@@ -33,6 +33,14 @@ class EngineCoreOutput:
 
     requests: list[Request] = field(default_factory=list)
     runner_output: ModelRunnerOutput = field(default_factory=ModelRunnerOutput)
+
+
+def _core_output(
+    failed: list[Request], update: SchedulerUpdate, runner_output: ModelRunnerOutput
+) -> EngineCoreOutput:
+    """Handed on, not rewritten: the tokens the scheduler kept, with the runner's logprobs."""
+    kept = dataclasses.replace(runner_output, sampled_token_ids=update.new_token_ids)
+    return EngineCoreOutput(failed + update.requests, kept)
 
 
 class EngineCore:
@@ -79,8 +87,8 @@ class EngineCore:
         if self.structured is not None:
             self.structured.fill_bitmask(scheduler_output)
         runner_output, failed = self._execute(scheduler_output)
-        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutput(failed + changed, runner_output)
+        update = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return _core_output(failed, update, runner_output)
 
     def _check_health(self) -> None:
         if (problem := self.executor.health_problem()) is not None:

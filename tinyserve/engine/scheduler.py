@@ -17,7 +17,12 @@ from collections import deque
 
 from tinyserve.config import SchedulerConfig
 from tinyserve.engine.kv_cache_manager import KVCacheManager
-from tinyserve.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tinyserve.outputs import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerUpdate,
+)
 from tinyserve.request import Request, RequestStatus
 from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.proposer import NgramProposer
@@ -139,11 +144,11 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[Request]:
+    ) -> SchedulerUpdate:
         """Advance the scheduled requests, append sampled tokens, run the stop checks.
 
         With speculative decoding a request may get several tokens; those past a stop are
-        dropped from ``runner_output`` too, so it says what was kept. Returns the requests
+        dropped (the update's ``new_token_ids`` say what was kept). Returns the requests
         that got a new token or finished this step, plus any that
         ``schedule()`` failed (too long for the whole KV cache), so the engine must call this
         after every ``schedule()``, even an empty one. Requests that finished or were aborted
@@ -151,6 +156,7 @@ class Scheduler:
         """
         changed = self._failed_in_schedule
         self._failed_in_schedule = []
+        kept_ids: dict[str, list[int]] = {}
         ran = False  # a failed step's requests are all finished before this: nothing ran
         for item in scheduler_output.scheduled:
             request = item.request
@@ -168,15 +174,15 @@ class Scheduler:
             if item.spec_token_ids:
                 self._verified(request, item, len(token_ids) - 1)
             kept = self._append(request, token_ids)
-            if kept < len(token_ids):  # a stop inside a speculative run: the rest never was
-                runner_output.sampled_token_ids[request.request_id] = token_ids[:kept]
+            # A stop inside a speculative run: the tokens after it never were.
+            kept_ids[request.request_id] = token_ids[:kept]
             if item.spec_token_ids and not request.is_finished:
                 self.kv_cache_manager.trim(request)
             changed.append(request)
         if ran:  # the step's cost (spec_decode/cost.py): schedule() to here
             elapsed = time.perf_counter() - self._step_started
             self.step_cost.observe(scheduler_output.num_batched_tokens, elapsed)
-        return changed
+        return SchedulerUpdate(changed, kept_ids)
 
     def _prompt_budget(self, budget: int) -> int:
         """Prompt tokens this step may take: all of ``budget``, but while some request

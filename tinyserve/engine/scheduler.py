@@ -174,8 +174,8 @@ class Scheduler:
             if item.spec_token_ids:
                 self._verified(request, item, len(token_ids) - 1)
             kept = self._append(request, token_ids)
-            # A stop inside a speculative run: the tokens after it never were.
-            kept_ids[request.request_id] = token_ids[:kept]
+            # A stop inside a speculative run: the tokens after it never were (a copy only then).
+            kept_ids[request.request_id] = token_ids if kept == len(token_ids) else token_ids[:kept]
             if item.spec_token_ids and not request.is_finished:
                 self.kv_cache_manager.trim(request)
             changed.append(request)

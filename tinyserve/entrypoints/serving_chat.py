@@ -87,9 +87,9 @@ class ChatServing(OpenAIServing):
         if job.params.logprobs is not None:
             lp = P.chat_logprobs(out.logprobs, self.token_str)
         if job.tools:
-            parser = job.parsers.get(out.index) or job.parsers.setdefault(
-                out.index, self.tool_stream()
-            )
+            parser = job.parsers.get(out.index)
+            if parser is None:
+                parser = job.parsers[out.index] = self.tool_stream()
             events = parser.feed(out.text_delta)
             events += parser.finish(finish) if finish is not None else []
             if not events and out.logprobs and lp is not None:

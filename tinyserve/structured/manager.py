@@ -78,16 +78,17 @@ class GrammarCompilerPool:
     def submit(self, spec: StructuredOutputSpec) -> Future:
         """The compiled grammar for ``spec``, from the cache or compiled on the pool. Safe
         from any thread; never blocks on a compile."""
+        key = spec.key  # built once: it holds the whole spec text (up to 256,000 characters)
         with self._lock:
-            future = self._cache.get(spec.key)
+            future = self._cache.get(key)
             if future is not None:
-                self._cache.move_to_end(spec.key)
+                self._cache.move_to_end(key)
                 return future
             future = Future()
-            self._cache[spec.key] = future
+            self._cache[key] = future
             self._evict()
             self.num_compiles += 1
-        self._executor.submit(self._run, spec, future)
+        self._executor.submit(self._run, spec, key, future)
         return future
 
     def _evict(self) -> None:
@@ -107,7 +108,7 @@ class GrammarCompilerPool:
                 self.cached_bytes += self._sizes[key]
                 self._evict()
 
-    def _run(self, spec: StructuredOutputSpec, future: Future) -> None:
+    def _run(self, spec: StructuredOutputSpec, key: str, future: Future) -> None:
         """On a pool worker: compile on a daemon thread, wait for it at most the limit."""
         done = threading.Event()
         abandoned = [False]  # set under the lock when the limit passes first
@@ -129,7 +130,7 @@ class GrammarCompilerPool:
                 _settle(future, error=ValueError(f"{spec.field}: could not compile: {e!r}"))
             else:
                 _settle(future, result=result)
-                self._charge(spec.key, future, result)
+                self._charge(key, future, result)
             finally:
                 done.set()
                 with self._lock:

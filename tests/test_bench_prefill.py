@@ -16,11 +16,10 @@ import pytest
 from tinyserve.kernels import gemm
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def test_prefill_flops_are_counted_from_the_shapes():
-    from bench_prefill import model_flops
+    from benchmarks.bench_prefill import model_flops
 
     cfg = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,

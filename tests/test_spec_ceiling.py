@@ -4,24 +4,14 @@ answer can be worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def ceiling():
-    spec = importlib.util.spec_from_file_location(
-        "spec_ceiling", ROOT / "benchmarks" / "spec_ceiling.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("spec_ceiling", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import spec_ceiling
+
+    return spec_ceiling
 
 
 CFG = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tp_ranks import teacher_forced_logits
 
+from tests.support.tp_ranks import teacher_forced_logits
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.entrypoints.llm import LLM
 from tinyserve.models.loader import load_model

@@ -6,7 +6,8 @@ outputs as the continuous one, and the two really schedule differently."""
 from __future__ import annotations
 
 import pytest
-from conftest import (
+
+from tests.support.engine import (
     assert_no_leaks,
     build_llm,
     drain,
@@ -18,7 +19,6 @@ from conftest import (
     text_prompts,
     tiny_engine,
 )
-
 from tinyserve.kernels import gemm
 
 NUM_PROMPTS = 16

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_batch
 
+from tests.support.engine import run_batch
 from tinyserve.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]

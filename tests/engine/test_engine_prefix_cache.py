@@ -5,7 +5,8 @@ later ones find most of their prompt's full blocks in the cache (counters checke
 from __future__ import annotations
 
 import pytest
-from conftest import Collector, build_engine, drain, greedy
+
+from tests.support.engine import Collector, build_engine, drain, greedy
 
 BLOCK_SIZE = 16
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import (
+
+from tests.support.engine import (
     Collector,
     assert_no_leaks,
     build_engine,
@@ -20,7 +21,6 @@ from conftest import (
     text_prompts,
     tiny_engine,
 )
-
 from tinyserve.request import RequestStatus
 from tinyserve.sampling_params import SamplingParams
 

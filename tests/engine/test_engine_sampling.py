@@ -8,8 +8,16 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import Collector, drain, greedy, random_prompt, run_batch, text_prompts, tiny_engine
 
+from tests.support.engine import (
+    Collector,
+    drain,
+    greedy,
+    random_prompt,
+    run_batch,
+    text_prompts,
+    tiny_engine,
+)
 from tinyserve.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"

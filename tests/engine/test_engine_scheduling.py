@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import (
+
+from tests.support.engine import (
     assert_no_leaks,
     build_engine,
     greedy,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import (
+
+from tests.support.engine import (
     TINY_VOCAB,
     assert_no_leaks,
     build_llm,
@@ -15,7 +16,6 @@ from conftest import (
     run_batch,
     tiny_engine,
 )
-
 from tinyserve.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 32

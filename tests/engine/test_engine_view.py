@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import drain, greedy, random_prompt, record_schedules, tiny_engine
-
+from tests.support.engine import drain, greedy, random_prompt, record_schedules, tiny_engine
 from tinyserve.engine.async_engine import AsyncEngine
 
 BLOCK = 4  # tiny_engine's block size

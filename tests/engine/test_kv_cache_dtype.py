@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_engine, random_prompt, run_alone, run_batch, tiny_engine
 
+from tests.support.engine import build_engine, random_prompt, run_alone, run_batch, tiny_engine
 from tinyserve.kernels import attention as attention_kernel
 from tinyserve.sampling_params import SamplingParams
 

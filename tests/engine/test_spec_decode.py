@@ -8,7 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import (
+
+from tests.support.engine import (
     CORPUS,
     Collector,
     assert_no_leaks,
@@ -18,7 +19,6 @@ from conftest import (
     run_batch,
     text_prompts,
 )
-
 from tinyserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

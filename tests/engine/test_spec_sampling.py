@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_no_leaks, build_engine, drain
 
+from tests.support.engine import assert_no_leaks, build_engine, drain
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.testing.checkpoints import llama_config, write_checkpoint
 from tinyserve.worker.model_runner import ModelRunner

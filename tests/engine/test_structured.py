@@ -9,8 +9,8 @@ import re
 
 import jsonschema
 import pytest
-from conftest import assert_no_leaks, build_engine, drain
 
+from tests.support.engine import assert_no_leaks, build_engine, drain
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {

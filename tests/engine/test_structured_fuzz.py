@@ -9,8 +9,8 @@ import json
 import random
 
 import jsonschema
-from conftest import assert_no_leaks, build_engine
 
+from tests.support.engine import assert_no_leaks, build_engine
 from tinyserve.testing.schemas import random_schema, unsupported_keyword
 from tinyserve.testing.structured_fuzz import make_cases, run_fuzz
 

@@ -10,13 +10,11 @@ import contextlib
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
 
+from tests.support.fake_engine import FakeEngine
 from tinyserve.config import ServerConfig
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.testing.server import serve
-
-MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 import pytest
-from fake_engine import FakeEngine
 
+from tests.support.fake_engine import FakeEngine
 from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tinyserve.sampling_params import SamplingParams
 

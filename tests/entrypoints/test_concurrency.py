@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL
 
+from tests.support.api import MODEL
 from tinyserve.testing.server import wait_until
 from tinyserve.testing.sse import aiter_data, iter_data
 

@@ -8,8 +8,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL
 
+from tests.support.api import MODEL, assert_error
 from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
 from tinyserve.testing.server import wait_until
@@ -19,15 +19,6 @@ CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "-") -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param != "-":
-        assert err["param"] == param, err
-    return err
 
 
 BAD_REQUESTS = [

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import MODEL
+
+from tests.support.api import MODEL
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 

@@ -11,10 +11,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import MODEL
 from pydantic import BaseModel, Field, TypeAdapter
-from test_tools import WEATHER as CHAT_WEATHER
 
+from tests.support.api import MODEL
+from tests.support.api import WEATHER as CHAT_WEATHER
 from tinyserve.testing.server import wait_until
 
 ASK = "Name three colors."

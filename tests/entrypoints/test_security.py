@@ -8,8 +8,8 @@ import json
 
 import httpx
 import pytest
-from test_http_errors import assert_error
 
+from tests.support.api import assert_error
 from tinyserve.config import ServerConfig
 from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser

@@ -9,8 +9,8 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import MODEL
 
+from tests.support.api import MODEL
 from tinyserve.config import ServerConfig
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.async_engine import AsyncEngine

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import MODEL
-
+from tests.support.api import MODEL
 from tinyserve.testing.sse import sse_events
 
 

@@ -11,8 +11,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import MODEL
 from pydantic import BaseModel, Field
+
+from tests.support.api import MODEL
 
 
 class City(BaseModel):

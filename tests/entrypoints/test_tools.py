@@ -10,25 +10,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import MODEL
-from test_tools_stream import same_when_streamed
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+from tests.support.api import MODEL, WEATHER, same_when_streamed
+
 TIME = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {

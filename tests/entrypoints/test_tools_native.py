@@ -11,8 +11,9 @@ import random
 import jsonschema
 import openai
 import pytest
-from test_tools_stream import same_when_streamed
 
+from tests.support.api import same_when_streamed
+from tests.support.structured import allowed_ids
 from tinyserve.config import ServerConfig
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.async_engine import AsyncEngine
@@ -190,11 +191,6 @@ def test_auto_walks_that_write_the_tag_end_in_valid_calls(smollm2_tokenizer):
         for call in calls:
             spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
-
-
-def allowed_ids(bitmask) -> list[int]:
-    words = bitmask[0].tolist()
-    return [w * 32 + b for w, word in enumerate(words) for b in range(32) if (word >> b) & 1]
 
 
 # The tag's tokens ("<", " <", "tool", "_", "call", ">") made likelier, so that text near the

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
-from test_cpu_kernels import _typed, random_blocks
 
+from tests.support.kernels import random_blocks, typed
 from tinyserve.kernels import build, gemm
 from tinyserve.utils.cpu import AMX_FLAGS, amx_permitted, cpu_flags
 
@@ -45,7 +45,7 @@ def emulated():
 
 def _matmul(lib: ctypes.CDLL, x: torch.Tensor, w: gemm.PackedWeight, threads: int) -> torch.Tensor:
     kw = gemm.KernelWeight.of(w, lib.gemm_group_width())
-    return gemm._run(_typed(lib, "gemm"), "matmul", x, kw, threads, None, gemm.BF16_ACT)
+    return gemm._run(typed(lib, "gemm"), "matmul", x, kw, threads, None, gemm.BF16_ACT)
 
 
 def _case(qtype, seed: int):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
-from test_cpu_kernels import _tp1, random_blocks
 
+from tests.support.kernels import random_blocks, tp1
 from tinyserve.kernels import gemm
 from tinyserve.layers.linear import PackedMethod, resolve_kernel_activations
 
@@ -87,7 +87,7 @@ def test_packed_method_rounds_prompt_rows_to_bf16_and_keeps_int8_decode_rows():
     from tinyserve.layers.linear import LinearBase
 
     w = gemm.from_gguf(random_blocks(Q8_0, 70, 96, seed=9), int(Q8_0), (70, 96))
-    layer = LinearBase(96, 70, bias=False, dtype=torch.float32, tp=_tp1())
+    layer = LinearBase(96, 70, bias=False, dtype=torch.float32, tp=tp1())
     layer.set_method(PackedMethod(w, int8_decode=True, bf16=True))
     assert layer.method.name == "kernel-q8_0+bf16+int8-decode"
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(10))

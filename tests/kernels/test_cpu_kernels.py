@@ -16,6 +16,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tests.support.kernels import random_blocks, tp1, typed
 from tinyserve.kernels import attention as attention_kernel
 from tinyserve.kernels import build, gemm
 from tinyserve.layers.attention import reference_paged_attention
@@ -26,18 +27,7 @@ from tinyserve.testing.paged_runner import PagedRunner, mixed_steps, random_page
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
 
-def random_blocks(qtype, n: int, k: int, seed: int) -> np.ndarray:
-    """GGUF bytes for an [n, k] tensor with random scales and codes."""
-    rng = np.random.default_rng(seed)
-    nb = k // 32
-    if qtype == Q4_1:
-        d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
-        m = rng.uniform(-0.2, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
-        qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
-        return np.concatenate([d, m, qs], axis=-1).reshape(n, nb * 20)
-    d = rng.uniform(0.001, 0.02, (n, nb, 1)).astype(np.float16).view(np.uint8)
-    qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
-    return np.concatenate([d, qs], axis=-1).reshape(n, nb * 34)
+
 
 
 needs_kernel = pytest.mark.skipif(
@@ -170,12 +160,7 @@ needs_two_levels = pytest.mark.skipif(
 )
 
 
-def _typed(lib: ctypes.CDLL, name: str):
-    """``lib``'s entry point ``name``, typed like gemm.py's."""
-    fn = getattr(lib, name)
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes, fn.restype = [i32, p, p, p, p, i64, p, i64, i64, i64, i32, i32], ctypes.c_int
-    return fn
+
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +189,10 @@ def test_every_isa_level_computes_the_same_bits(kind, every_level):
     native_q8 = gemm.matmul_q8(x, w, num_threads=2) if kind != "f32" else None
     for level in build.usable_levels():
         lib = every_level["gemm", level]
-        fn = _typed(lib, "gemm")
+        fn = typed(lib, "gemm")
         kw = gemm.KernelWeight.of(w, lib.gemm_group_width())
         assert kw.qs.shape[-1] == (8 if level == "avx2" else 16)
-        qfn = _typed(every_level["qgemm", level], "qgemm") if native_q8 is not None else None
+        qfn = typed(every_level["qgemm", level], "qgemm") if native_q8 is not None else None
         for rows in (1, 2, 3, 5, 7, 8, 9, 33, 70):
             for threads in (1, 2):
                 got = gemm._run(fn, "matmul", x[:rows], kw, threads, None)
@@ -259,7 +244,7 @@ def test_packed_method_sends_decode_rows_to_the_int8_kernel_and_prompt_rows_to_f
     from tinyserve.layers.linear import LinearBase
 
     w = gemm.from_gguf(random_blocks(Q4_1, 70, 96, seed=9), int(Q4_1), (70, 96))
-    layer = LinearBase(96, 70, bias=False, dtype=torch.float32, tp=_tp1())
+    layer = LinearBase(96, 70, bias=False, dtype=torch.float32, tp=tp1())
     layer.set_method(PackedMethod(w, int8_decode=True))
     assert layer.method.name == "kernel-q4_1+int8-decode"
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(10))
@@ -272,10 +257,7 @@ def test_packed_method_sends_decode_rows_to_the_int8_kernel_and_prompt_rows_to_f
     assert PackedMethod(gemm.from_dense(torch.randn(8, 96)), int8_decode=True).name == "kernel-f32"
 
 
-def _tp1():
-    from tinyserve.distributed.parallel_state import TPGroup
 
-    return TPGroup()
 
 
 @needs_kernel

@@ -3,7 +3,7 @@
 * ``EngineClient``: what the HTTP layer (entrypoints/) may use. ``AsyncEngine`` implements
   it; nothing in entrypoints/ reaches behind it.
 * ``SyncEngine``: what ``AsyncEngine``'s engine thread drives. ``LLMEngine`` implements it,
-  and so does the tests' fake engine (tests/entrypoints/fake_engine.py), which is how the
+  and so does the tests' fake engine (tests/support/fake_engine.py), which is how the
   failure paths of the async front are tested without a model.
 
 The HTTP layer maps exactly these errors to statuses: ``ValueError`` (bad input) -> 400,

@@ -57,6 +57,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens the model found likelier
 
 
 @dataclass
@@ -67,6 +68,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # ``prompt_logprobs``: this step's prompt tokens (each the token at position p + 1, from
+    # the logits at p), in order, continuing the request's ``prompt_logprobs``.
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,6 +113,8 @@ class StepOutput:
     error: str | None = None
     error_param: str | None = None  # set when the request is at fault: a 400 naming this field
     prompt_index: int = 0  # which of the request's prompts this choice continues
+    # A choice's first output, when asked for: the prompt tokens' logprobs, None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # The request's last output (every choice has finished) carries its usage.
     request_finished: bool = False
     usage: Usage | None = None
@@ -138,3 +144,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    # ``prompt_logprobs``: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -76,6 +76,15 @@ class Request:
     # Constrained decoding: the request's grammar matcher (structured/backend.py Matcher),
     # advanced by the scheduler with every token it appends.
     grammar: object | None = None
+    # ``prompt_logprobs``: a TokenLogprob (outputs.py) per prompt token after the first, as the
+    # prefill chunks compute them (a recompute after preemption adds none twice).
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions are still missing logprobs the request asked for."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

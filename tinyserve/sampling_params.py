@@ -75,6 +75,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == -1`` (or 0) disables top-k. ``seed`` makes
     the request's random draws depend only on the seed, not on what else shares the batch.
     ``logprobs=k`` returns the sampled token's logprob plus the top-k alternatives (k may be 0).
+    ``prompt_logprobs=k``: the same for every prompt token after the first, from the prefill's
+    own logits (such a request takes no prefix-cache hits: cached positions have no logits).
+    ``max_tokens=0`` scores the prompt only: the request ends after its prefill, no token.
     """
 
     n: int = 1
@@ -93,6 +96,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -124,21 +128,11 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.logit_bias:
-            bias: dict[int, float] = {}
-            for k, v in self.logit_bias.items():
-                try:
-                    tok = int(k)
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
-                _check_float("logit_bias", v)
-                if not -100.0 <= float(v) <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
-                bias[tok] = float(v)
-            self.logit_bias = bias
+            self.logit_bias = _checked_bias(self.logit_bias)
         if self.seed is not None:
             _check_int("seed", self.seed, -(2**63), 2**63 - 1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, None)
+            _check_int("max_tokens", self.max_tokens, 0, None)
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -157,6 +151,8 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0, None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, _MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -170,6 +166,20 @@ class SamplingParams:
         for t in self.logit_bias or {}:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is outside [0, {vocab_size})")
+
+
+def _checked_bias(logit_bias: dict) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for k, v in logit_bias.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        _check_float("logit_bias", v)
+        if not -100.0 <= float(v) <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
+        bias[tok] = float(v)
+    return bias
 
 
 def _check_int(name: str, value: object, lo: int | None, hi: int | None) -> None:

@@ -31,7 +31,6 @@ MAX_MODEL_LEN = 32
         ("top_p", -0.2),
         ("top_k", -2),
         ("n", 0),
-        ("max_tokens", 0),
         ("max_tokens", -5),
         ("min_p", 1.5),
         ("logprobs", -1),

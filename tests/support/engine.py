@@ -98,6 +98,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     error: str | None = None
 
@@ -120,6 +121,9 @@ class Collector:
             if out.text_delta:
                 c.deltas.append(out.text_delta)
             c.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                assert c.prompt_logprobs is None, f"{out.request_id}: prompt logprobs twice"
+                c.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 c.finish_reason = out.finish_reason
                 c.stop_reason = out.stop_reason

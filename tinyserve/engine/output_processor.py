@@ -168,6 +168,9 @@ class OutputProcessor:
                 num_output -= len(new_ids) - used
                 new_ids = new_ids[:used]
         lps = runner_out.logprobs.get(rid, [])[: len(new_ids)]
+        prompt_lps = None  # with the choice's first output (before it, no output token)
+        if req.sampling_params.prompt_logprobs is not None and num_output == len(new_ids):
+            prompt_lps = [None, *req.prompt_logprobs]
         parent.usage.completion_tokens += len(new_ids)
         parent.usage.cached_tokens = max(parent.usage.cached_tokens, req.num_cached_tokens)
         return StepOutput(
@@ -182,6 +185,7 @@ class OutputProcessor:
             num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
+            prompt_logprobs=prompt_lps,
         )
 
     @staticmethod

@@ -168,8 +168,16 @@ class Scheduler:
                 0, min(done + item.num_new_tokens, request.num_prompt_tokens) - done
             )
             request.num_computed_tokens += item.num_new_tokens
+            request.prompt_logprobs.extend(
+                runner_output.prompt_logprobs.get(request.request_id, ())
+            )
             token_ids = runner_output.sampled_token_ids.get(request.request_id)
             if not token_ids:
+                continue
+            if request.max_tokens == 0:  # scoring the prompt: done once it is computed
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                kept_ids[request.request_id] = []
+                changed.append(request)
                 continue
             if item.spec_token_ids:
                 self._verified(request, item, len(token_ids) - 1)
@@ -282,6 +290,8 @@ class Scheduler:
                 self._failed_in_schedule.append(request)
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.needs_prompt_logprobs:  # a cached position has no logits
+                computed_blocks, num_hit_tokens = [], 0
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.scheduler_config.enable_chunked_prefill:
                 break

@@ -123,6 +123,8 @@ class LLM:
                 choice.text += out.text_delta
                 if choice.logprobs is not None:
                     choice.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     choice.finish_reason = out.finish_reason
                     choice.stop_reason = out.stop_reason

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall
-from tinyserve.outputs import TokenLogprob
 
 
 def _check_unicode(value: Any) -> None:
@@ -102,6 +100,7 @@ _PARAM_NAMES = {
     "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "tokens",
+    "prompt_logprobs",
 }  # fmt: skip
 
 
@@ -172,6 +171,11 @@ class _SamplingFields(_Request):
     )
     ignore_eos: bool = False
     min_tokens: int = Field(0, **_range(minimum=0))
+    prompt_logprobs: int | None = Field(
+        None,
+        **_range("vLLM's: each prompt token's logprob and the top alternatives", minimum=0,
+                 maximum=20),
+    )  # fmt: skip
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
@@ -233,6 +237,10 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+# vLLM's ``prompt_logprobs``: per prompt token (None for the first), token id -> its entry.
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
@@ -259,6 +267,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -268,7 +277,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="Text, a list of texts, token ids or a list of token-id lists"
     )
-    max_tokens: int | None = Field(16, **_range("Default 16, as OpenAI and vLLM", minimum=1))
+    max_tokens: int | None = Field(
+        16, **_range("Default 16, as OpenAI and vLLM; 0 with echo scores the prompt", minimum=0)
+    )
     logprobs: int | None = Field(
         None, **_range("Top alternatives per token", minimum=0, maximum=20)
     )
@@ -289,6 +300,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -298,50 +310,6 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-
-
-# -- logprobs objects -------------------------------------------------------------------------
-
-
-def chat_logprobs(lps: list[TokenLogprob], token_str: Callable[[int], str]) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        s = token_str(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
-
-    return {
-        "content": [
-            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in lps
-        ]
-    }
-
-
-def completion_logprobs(
-    lps: list[TokenLogprob],
-    token_str: Callable[[int], str],
-    offset: int,
-    prompt_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``offset`` is the text offset of the first
-    token. Echoed prompt tokens (``prompt_ids``) come first, with null logprobs (not computed)."""
-    out: dict[str, list] = {
-        "text_offset": [],
-        "token_logprobs": [],
-        "tokens": [],
-        "top_logprobs": [],
-    }
-    entries = [(t, None, None) for t in prompt_ids or []]
-    entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps]
-    for token_id, logprob, top in entries:
-        s = token_str(token_id)
-        out["text_offset"].append(offset)
-        out["tokens"].append(s)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(None if top is None else {token_str(t): v for t, v in top})
-        offset += len(s)
-    return out
 
 
 # -- models, tokenize ----------------------------------------------------------------------------

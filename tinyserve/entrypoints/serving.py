@@ -197,8 +197,12 @@ class OpenAIServing:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def sampling_params(self, req: P._SamplingFields, **extra: Any) -> SamplingParams:
-        """The sampling fields every API shares, plus the API's own (``extra``)."""
+    def sampling_params(
+        self, req: P._SamplingFields, scores: bool = False, **extra: Any
+    ) -> SamplingParams:
+        """The sampling fields every API shares, plus the API's own (``extra``). ``max_tokens``
+        0 (scoring the prompt) only where the answer has something to show for it: prompt
+        logprobs, or (``scores``) the echoed prompt."""
         kwargs: dict[str, Any] = {
             "n": req.n,
             "temperature": req.temperature,
@@ -214,11 +218,17 @@ class OpenAIServing:
             "stop_token_ids": req.stop_token_ids,
             "ignore_eos": req.ignore_eos,
             "min_tokens": req.min_tokens,
+            "prompt_logprobs": req.prompt_logprobs,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
             **extra,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
+        if kwargs["max_tokens"] == 0 and not scores and kwargs.get("prompt_logprobs") is None:
+            raise bad_request(
+                "max_tokens: must be >= 1 (0 scores the prompt: with echo or prompt_logprobs)",
+                "max_tokens",
+            )
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:

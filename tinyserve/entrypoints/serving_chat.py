@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints.protocol import bad_request
 from tinyserve.entrypoints.serving import Job, OpenAIServing, response_format
 from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
@@ -63,7 +64,7 @@ class ChatServing(OpenAIServing):
                 finish = "tool_calls" if calls else finish
             logprobs = None
             if job.params.logprobs is not None:
-                logprobs = P.chat_logprobs(c.logprobs, self.token_str)
+                logprobs = L.chat_logprobs(c.logprobs, self.token_str)
             message = P.ChatResponseMessage(content=content, tool_calls=calls or None)
             result_choices.append(
                 P.ChatCompletionChoice(
@@ -74,6 +75,7 @@ class ChatServing(OpenAIServing):
         result = P.ChatCompletionResponse(
             id=job.request_id, model=self.model_name, choices=result_choices,
             usage=usage_info(usage),
+            prompt_logprobs=L.prompt_logprobs(choices[0].prompt_logprobs, self.token_str),
         )  # fmt: skip
         return P.dump(result)
 
@@ -85,7 +87,7 @@ class ChatServing(OpenAIServing):
     ) -> list[dict[str, Any]]:
         lp = None
         if job.params.logprobs is not None:
-            lp = P.chat_logprobs(out.logprobs, self.token_str)
+            lp = L.chat_logprobs(out.logprobs, self.token_str)
         if job.tools:
             parser = job.parsers.get(out.index)
             if parser is None:

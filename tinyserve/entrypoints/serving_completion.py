@@ -4,6 +4,7 @@ of them; the engine numbers the choices prompt_index * n + sample_index, as Open
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,15 +13,17 @@ from fastapi import Request
 
 from tinyserve.engine.client import OutputStream
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints.protocol import bad_request
 from tinyserve.entrypoints.serving import Job, OpenAIServing, response_format
 from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
-from tinyserve.outputs import StepOutput, Usage
+from tinyserve.outputs import StepOutput, TokenLogprob, Usage
 
 
 @dataclass
 class CompletionJob(Job):
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field, as the request named it
     input_size: int = 0
     echo_texts: list[str] = field(default_factory=list)  # per prompt ("" without echo)
     offsets: dict[int, int] = field(default_factory=dict)  # streamed: choice -> characters sent
@@ -33,15 +36,19 @@ class CompletionServing(OpenAIServing):
         if req.suffix:
             raise bad_request("suffix: not supported", "suffix")
         so = self.constraint(req, response_format(req), "response_format", [])
+        prompt_lps = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the echoed tokens' logprobs: computed
+            prompt_lps = max(prompt_lps or 0, req.logprobs)
         params = self.sampling_params(
-            req, max_tokens=req.max_tokens, logprobs=req.logprobs, structured_outputs=so
-        )
+            req, scores=req.echo, max_tokens=req.max_tokens, logprobs=req.logprobs,
+            prompt_logprobs=prompt_lps, structured_outputs=so,
+        )  # fmt: skip
         size = input_size(req.prompt) if isinstance(req.prompt, str | list) else 0
         prompts = await off_loop(size, self.completion_prompts, req.prompt)
         return CompletionJob(
             f"cmpl-{uuid.uuid4().hex}", prompts, params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            echo=req.echo, input_size=size,
+            echo=req.echo, prompt_logprobs=req.prompt_logprobs, input_size=size,
         )  # fmt: skip
 
     def completion_prompts(self, prompt: Any) -> list[list[int]]:
@@ -68,14 +75,15 @@ class CompletionServing(OpenAIServing):
     ) -> dict[str, Any]:
         result_choices = []
         for i, c in enumerate(choices):
-            logprobs = None
-            if job.params.logprobs is not None:
-                echo_ids = job.prompts[c.prompt_index] if job.echo else None
-                logprobs = P.completion_logprobs(c.logprobs, self.token_str, 0, echo_ids)
+            logprobs = self._logprobs(job, c.prompt_index, c.logprobs, c.prompt_logprobs, 0)
             result_choices.append(
                 P.CompletionChoice(
-                    index=i, text=job.echo_texts[c.prompt_index] + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    index=i,
+                    text=job.echo_texts[c.prompt_index] + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=self._vllm_prompt_logprobs(job, c.prompt_logprobs),
                 )  # fmt: skip
             )
         result = P.CompletionResponse(
@@ -87,16 +95,43 @@ class CompletionServing(OpenAIServing):
     def stream_chunks(
         self, job: CompletionJob, head: dict[str, Any], out: StepOutput, finish: str | None
     ) -> list[dict[str, Any]]:
-        text, echo_ids = out.text_delta, None
-        if job.echo and out.index not in job.offsets:  # a choice's first chunk carries the echo
+        text, first = out.text_delta, out.index not in job.offsets
+        if job.echo and first:  # a choice's first chunk carries the echo
             text = job.echo_texts[out.prompt_index] + text
-            echo_ids = job.prompts[out.prompt_index]
-        if not text and finish is None and not out.logprobs:
+        if not text and finish is None and not out.logprobs and not first:
             return []
         offset = job.offsets.get(out.index, 0)
-        logprobs = None
-        if job.params.logprobs is not None:
-            logprobs = P.completion_logprobs(out.logprobs, self.token_str, offset, echo_ids)
+        prompt_lps = out.prompt_logprobs if first else None
+        logprobs = self._logprobs(job, out.prompt_index, out.logprobs, prompt_lps, offset,
+                                  echoed=first)  # fmt: skip
         job.offsets[out.index] = offset + len(text)
         choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if first and job.params.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(job, prompt_lps)
         return [{**head, "choices": [choice]}]
+
+    def _logprobs(self, job: CompletionJob, prompt_index: int, lps, prompt_lps, offset: int,
+                  echoed: bool = True) -> dict[str, Any] | None:  # fmt: skip
+        """The legacy ``logprobs`` object: the echoed prompt's tokens (with the first output)
+        and then the generated ones."""
+        if job.params.logprobs is None:
+            return None
+        echo_ids = job.prompts[prompt_index] if job.echo and echoed else None
+        prompt_lps = _top(prompt_lps, job.params.logprobs) if echo_ids else None
+        return L.completion_logprobs(lps, self.token_str, offset, echo_ids, prompt_lps)
+
+    def _vllm_prompt_logprobs(self, job: CompletionJob, lps) -> P.PromptLogprobs | None:
+        """vLLM's field, only when the request asked for it by name (``echo`` alone fills the
+        legacy object)."""
+        if job.prompt_logprobs is None:
+            return None
+        return L.prompt_logprobs(_top(lps, job.prompt_logprobs), self.token_str)
+
+
+def _top(lps: list[TokenLogprob | None] | None, k: int) -> list[TokenLogprob | None] | None:
+    """Prompt logprobs with at most ``k`` alternatives each (the engine computed the most
+    that the request's two fields asked for)."""
+    if lps is None:
+        return None
+    return [lp if lp is None or len(lp.top) <= k else dataclasses.replace(lp, top=lp.top[:k])
+            for lp in lps]  # fmt: skip

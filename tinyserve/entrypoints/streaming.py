@@ -67,6 +67,7 @@ class Choice:
     prompt_index: int = 0
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -112,6 +113,7 @@ async def collect(stream: OutputStream) -> tuple[list[Choice], Usage | None]:
         c.text += out.text_delta
         c.num_tokens += len(out.new_token_ids)
         c.logprobs.extend(out.logprobs)
+        c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
         c.stop_reason = out.stop_reason
         usage = out.usage or usage
     return [choices[i] for i in sorted(choices)], usage

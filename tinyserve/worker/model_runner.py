@@ -94,6 +94,7 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling: list = []  # the requests that sample, in logits-row order
+        scoring: list[PromptRows] = []  # prompt rows whose logprobs were asked for
         # Decode rows first (a stable sort): the linear layers give generated tokens their
         # own kernel path (layers/linear.py), chosen by the token, never by the batch.
         flagged = sorted(((not _decodes(it), it) for it in sched.scheduled), key=lambda p: p[0])
@@ -103,6 +104,8 @@ class ModelRunner:
             req, spec = item.request, item.spec_token_ids
             start = req.num_computed_tokens
             end = start + item.num_new_tokens
+            if prompt and req.needs_prompt_logprobs:
+                scoring.extend(PromptRows.of(req, len(input_ids), start, end))
             input_ids.extend(req.all_token_ids[start : end - len(spec)])
             input_ids.extend(spec)  # drafts after the last token: verified by this forward
             positions.extend(range(start, end))
@@ -116,8 +119,8 @@ class ModelRunner:
                 decode_rows += 0 if prompt else n
         step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs)
         if not sampling:
-            self.forward(step)
-            return ModelRunnerOutput()
+            hidden = self.forward(step)
+            return ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, scoring))
         # The sampler's inputs are built before the forward, so that one copy takes every
         # host-built tensor of the step to the device (worker/staging.py).
         rows = [row for req, spec in sampling for row in self._rows(sched, req, spec)]
@@ -126,7 +129,36 @@ class ModelRunner:
         hidden, (idx, smeta) = self._forward(step, [idx, smeta])  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[idx], decode_rows)  # [num_rows, vocab]
         out = self.sampler(logits, smeta)
-        return self._to_host(sampling, out)
+        result = self._to_host(sampling, out)
+        result.prompt_logprobs = self._prompt_logprobs(hidden, scoring)
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scoring: list[PromptRows]) -> dict:
+        """Each scored prompt row's next prompt token: its logprob under the model (log-softmax
+        of the float32 logits, no sampling stage) and the top-k, PROMPT_LOGPROB_ROWS rows of
+        logits at a time."""
+        result: dict[str, list[TokenLogprob]] = {}
+        for rows in scoring:
+            k = rows.k
+            for s in range(0, len(rows.targets), PROMPT_LOGPROB_ROWS):
+                first = rows.first_row + s
+                targets = rows.targets[s : s + PROMPT_LOGPROB_ROWS]
+                lp = torch.log_softmax(
+                    self.model.compute_logits(hidden[first : first + len(targets)]), -1
+                )
+                want = torch.tensor(targets, dtype=torch.int64, device=lp.device)[:, None]
+                chosen = lp.gather(1, want)
+                rank = (lp > chosen).sum(dim=1, keepdim=True) + 1
+                parts = [want.double(), chosen.double(), rank.double()]
+                if k:
+                    top_lp, top_id = lp.topk(k, dim=-1, sorted=True)
+                    parts += [top_id.double(), top_lp.double()]
+                host = torch.cat(parts, dim=1).tolist()  # one device->host copy per chunk
+                result.setdefault(rows.request_id, []).extend(
+                    TokenLogprob(int(r[0]), r[1], _pairs(r[3 : 3 + k], r[3 + k :]), int(r[2]))
+                    for r in host
+                )
+        return result
 
     def _rows(self, sched: SchedulerOutput, req, spec: list[int]) -> list[SamplingRow]:
         """A request's sampling rows: one, or with drafts one per position, each with the
@@ -209,6 +241,38 @@ class ModelRunner:
                 ]  # fmt: skip
             row += 1 + len(spec)
         return result
+
+
+# Prompt logprobs: rows of logits computed at once (49,152-token vocabularies: 48 MiB).
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass
+class PromptRows:
+    """One request's prompt rows scored this step: flat rows [first_row, first_row +
+    len(targets)), row i's target the prompt token after its position."""
+
+    request_id: str
+    first_row: int
+    targets: list[int]
+    k: int
+
+    @classmethod
+    def of(cls, req, base: int, start: int, end: int) -> list[PromptRows]:
+        """The rows of positions [start, end) (flat rows from ``base``) whose next token is
+        a prompt token not yet scored: position p scores token p + 1."""
+        lo = max(start, len(req.prompt_logprobs))
+        hi = min(end, req.num_prompt_tokens - 1)
+        if lo >= hi:
+            return []
+        targets = req.prompt_token_ids[lo + 1 : hi + 1]
+        return [
+            cls(req.request_id, base + lo - start, targets, req.sampling_params.prompt_logprobs)
+        ]
+
+
+def _pairs(ids: list[float], lps: list[float]) -> list[tuple[int, float]]:
+    return [(int(t), v) for t, v in zip(ids, lps, strict=True)]
 
 
 def _read_back(out) -> tuple[list[int], list | None, list | None, list | None]:

@@ -1,0 +1,112 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``) and scoring without generating
+(``max_tokens=0``), end to end through the engine:
+
+- equal to a dense transformers reference (float32) within 1e-4, ranks and top-k included;
+- the same bits alone, batched with other requests, chunked into small prefill pieces,
+  preempted and recomputed, and after the prompt's blocks were cached by another request
+  (a scoring request takes no prefix hit: cached positions have no logits);
+- ``max_tokens=0`` ends the request after its prefill with no token and nothing leaked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.engine import assert_no_leaks, greedy, random_prompt, run_alone, run_batch
+from tests.support.engine import tiny_engine as _tiny
+from tinyserve.sampling_params import SamplingParams
+
+K = 3
+
+
+def tiny_engine(path, **kw):
+    return _tiny(path, kernel_activations="float32", **kw)
+
+
+def scoring(max_tokens: int = 0, k: int = K) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=k,
+                          ignore_eos=True)  # fmt: skip
+
+
+def _values(choice) -> list:
+    return [None if e is None else (e.token_id, e.logprob, e.rank, e.top)
+            for e in choice.prompt_logprobs]  # fmt: skip
+
+
+def test_prompt_logprobs_equal_transformers(tiny_qwen2_path, tiny_qwen2_hf):
+    prompt = random_prompt(37, seed=5)
+    got = run_batch(tiny_engine(tiny_qwen2_path), [("a", prompt, scoring())])["a"]
+    assert got.token_ids == [] and got.finish_reason == "length"
+    with torch.no_grad():
+        logits = tiny_qwen2_hf(torch.tensor([prompt])).logits[0].double()
+    ref = torch.log_softmax(logits, -1)
+    lps = got.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    for p, entry in enumerate(lps[1:]):
+        row = ref[p]
+        assert entry.token_id == prompt[p + 1]
+        assert abs(entry.logprob - row[prompt[p + 1]].item()) <= 1e-4
+        assert (
+            entry.rank == int((row > row[prompt[p + 1]] + 1e-4).sum()) + 1
+            or abs(row.sort(descending=True).values[entry.rank - 1] - entry.logprob) <= 1e-4
+        )  # a near tie may rank either way
+        top = row.topk(K)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        for (_, v), w in zip(entry.top, top.values.tolist(), strict=True):
+            assert abs(v - w) <= 1e-4
+
+
+def test_the_same_bits_batched_chunked_preempted_and_after_a_cache_fill(tiny_qwen2_path):
+    prompts = [random_prompt(9 + (7 * i) % 23, seed=40 + i) for i in range(10)]
+    scored = [(f"s{i}", p, scoring(max_tokens=4 + i % 3)) for i, p in enumerate(prompts)]
+    ref = run_alone(tiny_engine(tiny_qwen2_path, num_blocks=512), scored)
+    for rid, prompt, _ in scored:
+        assert len(ref[rid].prompt_logprobs) == len(prompt)
+
+    # Batched with plain requests, prompts chunked 8 tokens a step, a pool that preempts.
+    plain = [(f"g{i}", random_prompt(12, seed=90 + i), greedy(12)) for i in range(4)]
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=12, max_num_batched_tokens=8)
+    got = run_batch(engine, plain + scored)
+    assert engine.core.scheduler.num_preemptions > 0
+    for rid, _, _ in scored:
+        assert _values(got[rid]) == _values(ref[rid]), rid
+        assert got[rid].token_ids == ref[rid].token_ids
+    assert all(got[rid].prompt_logprobs is None for rid, _, _ in plain)
+    assert_no_leaks(engine)
+
+    # The prompts' blocks cached first by plain requests: the scoring ones take no hit.
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=512, enable_prefix_caching=True)
+    run_batch(engine, [(f"w{rid}", p, greedy(2)) for rid, p, _ in scored])
+    again = run_batch(engine, scored)
+    for rid, _, _ in scored:
+        assert again[rid].num_cached_tokens == 0
+        assert _values(again[rid]) == _values(ref[rid]), rid
+    assert_no_leaks(engine)
+
+
+def test_generated_tokens_logprob_equals_the_prompt_logprob_of_it(tiny_qwen2_path):
+    """A prompt row's logprob and the sampler's raw logprob of the token sampled there are
+    one computation: generate, then score the prompt with that token appended."""
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=256)
+    prompt = random_prompt(21, seed=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, ignore_eos=True)
+    gen = run_batch(engine, [("g", prompt, sp)])["g"]
+    (token,), (lp,) = gen.token_ids, gen.logprobs
+    scored = run_batch(engine, [("s", prompt + [token], scoring(k=2))])["s"]
+    last = scored.prompt_logprobs[-1]
+    assert (last.token_id, last.logprob, last.top) == (token, lp.logprob, lp.top)
+    assert last.rank == 1  # greedy
+
+
+def test_bounds_and_no_prompt_logprobs_unless_asked(tiny_qwen2_path):
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"max_tokens": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=0, min_tokens=1)
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=64)
+    out = run_batch(engine, [("a", [5], scoring()), ("b", [5, 6], greedy(2))])
+    assert out["a"].prompt_logprobs == [None] and out["a"].token_ids == []
+    assert out["b"].prompt_logprobs is None
+    assert_no_leaks(engine)

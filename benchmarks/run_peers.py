@@ -119,6 +119,11 @@ def _server_info(url: str) -> dict:
                 n_ctx = (d.get("default_generation_settings") or {}).get("n_ctx")
                 if n_ctx:
                     info["n_ctx_per_slot"] = n_ctx
+    if "build_info" in info:  # llama.cpp: which build scripts/run_llamacpp_peer.sh started
+        port = httpx.URL(url).port
+        peer = Path.home() / ".cache" / "tinyserve" / f"llamacpp_peer_{port}.json"
+        if peer.exists():
+            info["llamacpp_build"] = json.loads(peer.read_text())
     return info
 
 

@@ -6,7 +6,12 @@
 # PORT  default 8090
 # BIN   default $TINYSERVE_LLAMACPP_BIN, else the one scripts/build_llamacpp_peer.sh builds
 #       (~/.cache/tinyserve/llama-src/llama.cpp/build/bin/llama-server, or under
-#       $TINYSERVE_LLAMACPP_SRC)
+#       $TINYSERVE_LLAMACPP_SRC). Without BIN, a native build beside it (build-native/, from
+#       `NATIVE=1 scripts/build_llamacpp_peer.sh SRC .../build-native`) is tried first: it is
+#       started and sent one completion; if it dies (its AMX code segfaults on the AMX Xeons
+#       seen so far, at model load or at the first request), the default build serves.
+#       Which one serves is written to $PEER_INFO (default
+#       ~/.cache/tinyserve/llamacpp_peer_PORT.json), where benchmarks/run_peers.py reads it.
 # GGUF  default: tinyserve's default model (fetched on first use)
 # Environment: SLOTS (default 32), CTX_PER_SLOT (default 2048), THREADS (default 2),
 # CACHE_RAM in MiB (default 1024); any further arguments go to llama-server as they are.
@@ -29,10 +34,16 @@
 set -euo pipefail
 PORT=${1:-8090}
 SRC=${TINYSERVE_LLAMACPP_SRC:-$HOME/.cache/tinyserve/llama-src}
+NATIVE_BIN=""
+if [ -z "${2:-}" ] && [ -z "${TINYSERVE_LLAMACPP_BIN:-}" ] && [ -x "$SRC/llama.cpp/build-native/bin/llama-server" ]; then
+  NATIVE_BIN=$SRC/llama.cpp/build-native/bin/llama-server
+fi
 BIN=${2:-${TINYSERVE_LLAMACPP_BIN:-$SRC/llama.cpp/build/bin/llama-server}}
 GGUF=${3:-}
 shift $(( $# < 3 ? $# : 3 ))
-if [ ! -x "$BIN" ]; then
+PEER_INFO=${PEER_INFO:-$HOME/.cache/tinyserve/llamacpp_peer_$PORT.json}
+mkdir -p "$(dirname "$PEER_INFO")"
+if [ ! -x "$BIN" ] && [ -z "$NATIVE_BIN" ]; then
   echo "no llama-server at $BIN: build it with scripts/build_llamacpp_peer.sh (or pass BIN)" >&2
   exit 1
 fi
@@ -42,6 +53,36 @@ fi
 SLOTS=${SLOTS:-32}
 CTX=$(( SLOTS * ${CTX_PER_SLOT:-2048} ))
 THREADS=${THREADS:-2}
-exec "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$PORT" --alias SmolLM2-135M-Instruct \
-  -np "$SLOTS" -c "$CTX" -t "$THREADS" -tb "$THREADS" --jinja \
-  --cache-ram "${CACHE_RAM:-1024}" --metrics "$@"
+ARGS=(-m "$GGUF" --host 127.0.0.1 --port "$PORT" --alias SmolLM2-135M-Instruct
+  -np "$SLOTS" -c "$CTX" -t "$THREADS" -tb "$THREADS" --jinja
+  --cache-ram "${CACHE_RAM:-1024}" --metrics "$@")
+
+# The native build, if there is one: kept only if it loads and answers a completion.
+if [ -n "$NATIVE_BIN" ]; then
+  "$NATIVE_BIN" "${ARGS[@]}" &
+  pid=$!
+  for _ in $(seq 1 120); do
+    kill -0 "$pid" 2>/dev/null || break
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    sleep 0.5
+  done
+  if kill -0 "$pid" 2>/dev/null && curl -sf -m 120 "http://127.0.0.1:$PORT/v1/completions" \
+       -H 'Content-Type: application/json' -d '{"prompt": "Hello", "max_tokens": 4}' >/dev/null \
+     && kill -0 "$pid" 2>/dev/null; then
+    printf '{"binary": "%s", "build": "native"}\n' "$NATIVE_BIN" > "$PEER_INFO"
+    echo "llama.cpp: the native build serves ($NATIVE_BIN)" >&2
+    trap 'kill "$pid" 2>/dev/null' TERM INT
+    wait "$pid"
+    exit $?
+  fi
+  wait "$pid" 2>/dev/null && rc=0 || rc=$?
+  why="exit status $rc"
+  [ "$rc" -gt 128 ] && why="signal $((rc - 128))"
+  echo "llama.cpp: the native build died ($why); the default build serves instead" >&2
+  printf '{"binary": "%s", "build": "default", "native_failed": "%s", "native_binary": "%s"}\n' \
+    "$BIN" "$why" "$NATIVE_BIN" > "$PEER_INFO"
+  [ -x "$BIN" ] || { echo "no llama-server at $BIN to fall back to" >&2; exit 1; }
+else
+  printf '{"binary": "%s", "build": "default"}\n' "$BIN" > "$PEER_INFO"
+fi
+exec "$BIN" "${ARGS[@]}"

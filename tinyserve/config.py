@@ -314,6 +314,8 @@ class ServerConfig:
     metrics_no_key: bool = False
     # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
     shutdown_timeout: float = 30.0
+    # Tool-call arguments may hold undeclared properties (default: OpenAI's strict semantics).
+    open_tool_arguments: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:

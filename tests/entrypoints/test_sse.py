@@ -31,6 +31,9 @@ def test_chat_sse_format_n2_with_usage(client):
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
     body, usage = chunks[:-1], chunks[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    # OpenAI's contract: exactly one chunk with usage, every other one says null.
+    assert all("usage" in c and c["usage"] is None for c in body)
+    assert sum(c["choices"] == [] for c in chunks) == 1
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 12
     for index in (0, 1):
         mine = [ch for c in body for ch in c["choices"] if ch["index"] == index]
@@ -61,3 +64,19 @@ def test_stream_over_context_window_is_a_400_before_streaming(client, server):
         assert r.status_code == 400
         r.read()
         assert r.json()["error"]["param"] == "max_tokens"
+
+
+def test_continuous_usage_stats_count_as_they_go(client):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the counts so far; the last
+    (usage) chunk the totals."""
+    for path, extra in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                        ("/v1/completions", {"prompt": "Hello"})):  # fmt: skip
+        events = _stream(client, path, {
+            "model": MODEL, **extra, "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        })  # fmt: skip
+        chunks = [json.loads(e) for e in events[:-1]]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5
+        assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+        assert chunks[-1]["choices"] == [] and chunks[-2]["usage"] == chunks[-1]["usage"]

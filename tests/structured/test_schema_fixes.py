@@ -89,3 +89,35 @@ def test_random_walks_over_random_number_ranges_stay_in_range(
         ids = walk(backend, compiled, seed=i, prefer=closing_ids, max_steps=300)
         text = smollm2_tokenizer.decode([t for t in ids if t not in backend.eos_token_ids])
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_dates_are_the_ones_python_parses(backend, smollm2_tokenizer):
+    """format: date becomes a pattern that takes exactly what date.fromisoformat takes (year
+    0000 is RFC 3339's but no Python date), checked on every day of 250 years and of years
+    0-29 (leap days, month lengths, the first centuries); a pattern of the schema's own is
+    left alone; and the compiled grammar refuses year 0 where the library took it."""
+    import datetime
+    import re
+
+    from tinyserve.structured.schema_fixes import DATE_PATTERN
+
+    rx = re.compile(DATE_PATTERN)
+    for y in [*range(30), *range(1880, 2130), 9999]:
+        for m in range(0, 14):
+            for d in range(0, 33):
+                text = f"{y:04d}-{m:02d}-{d:02d}"
+                try:
+                    ok = datetime.date.fromisoformat(text) is not None
+                except ValueError:
+                    ok = False
+                assert ok == bool(rx.match(text)), text
+    fixed = fix_schema({"type": "string", "format": "date"})
+    assert fixed == {"type": "string", "pattern": DATE_PATTERN}
+    own = {"type": "string", "format": "date", "pattern": "^2"}
+    assert fix_schema(own) == own
+    compiled = backend.compile(
+        StructuredOutputSpec.json_schema({"type": "string", "format": "date"})
+    )
+    for text, ok in (('"0000-03-08"', False), ('"2024-02-29"', True), ('"2023-02-29"', False),
+                     ('"0001-01-01"', True)):  # fmt: skip
+        assert _takes(backend, compiled, smollm2_tokenizer, text) == ok, text

@@ -42,6 +42,7 @@ from tinyserve.entrypoints.playground import playground_router
 from tinyserve.entrypoints.protocol import OpenAIError
 from tinyserve.entrypoints.serving_chat import ChatServing
 from tinyserve.entrypoints.serving_completion import CompletionServing
+from tinyserve.entrypoints.serving_messages import MessagesServing, messages_router
 from tinyserve.entrypoints.serving_responses import ResponsesServing, responses_router
 from tinyserve.entrypoints.serving_tokens import TokenizeServing
 
@@ -157,11 +158,13 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     )
     app.state.async_engine = async_engine
     # One handler per API over the shared steps (serving.py).
-    common = (async_engine, model_name, config.shutdown_timeout, config.log_requests)
+    common = (async_engine, model_name, config.shutdown_timeout, config.log_requests,
+              config.open_tool_arguments)  # fmt: skip
     app.state.model_name = model_name
     app.state.serving_chat = ChatServing(*common)
     app.state.serving_completion = CompletionServing(*common)
     app.state.serving_responses = ResponsesServing(*common)
+    app.state.serving_messages = MessagesServing(*common)
     app.state.serving_tokens = TokenizeServing(*common)
     app.state.metrics = metrics
     app.state.api_key = config.api_key
@@ -169,6 +172,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     app.state.model_root = info.model_path or model_name
     app.include_router(_router())
     app.include_router(responses_router())
+    app.include_router(messages_router())
     app.include_router(engine_events_router())
     app.include_router(_monitoring_router())
     app.include_router(playground_router())
@@ -224,6 +228,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=d.max_request_bytes,
         help="refuse request bodies larger than this with 413",
+    )
+    p.add_argument(
+        "--open-tool-arguments",
+        action="store_true",
+        help="let tool-call arguments hold properties their schema does not declare (by "
+        "default OpenAI's strict semantics: an object with properties takes only those, "
+        "unless its schema sets additionalProperties)",
     )
     p.add_argument(
         "--shutdown-timeout",

@@ -13,6 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+from tinyserve.entrypoints.protocol_anthropic import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ async def check_api_key(
     if not expected:
         return
     given = credentials.credentials if credentials is not None else ""
+    given = given or request.headers.get("x-api-key", "")  # Anthropic's clients send this
     if not _key_matches(given, expected):
         raise _key_error()
 
@@ -72,15 +74,37 @@ class APIKeyGuard:
             return await self.app(scope, receive, send)
         if route_is_open(scope.get("path", ""), self.open_routes):
             return await self.app(scope, receive, send)
-        given = ""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    given = token.strip()
+        given = api_key_of(scope.get("headers", ()))
         if not _key_matches(given, self.api_key):
-            return await _key_error().response()(scope, receive, send)
+            path = scope.get("path", "")
+            return await error_response(path, _key_error())(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def api_key_of(headers) -> str:
+    """The key a request carries: ``Authorization: Bearer <key>``, or (Anthropic's clients)
+    ``x-api-key: <key>``."""
+    bearer, x_api_key = "", ""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                bearer = token.strip()
+        elif name == b"x-api-key":
+            x_api_key = value.decode("latin-1").strip()
+    return bearer or x_api_key
+
+
+def anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response(path: str, err: OpenAIError) -> JSONResponse:
+    """``err`` in the shape of the API ``path`` belongs to: Anthropic's on /v1/messages,
+    OpenAI's elsewhere."""
+    if anthropic_path(path):
+        return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
+    return err.response()
 
 
 class BodySizeLimit:
@@ -96,7 +120,8 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                return await _too_large(self.max_bytes).response()(scope, receive, send)
+                err = _too_large(self.max_bytes)
+                return await error_response(scope.get("path", ""), err)(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -146,24 +171,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return bad_request(message, param).response()
+        return error_response(request.url.path, bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, _BodyTooLarge):
-            return _too_large(exc.max_bytes).response()
+            return error_response(request.url.path, _too_large(exc.max_bytes))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         err = OpenAIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
-        return err.response()
+        return error_response(request.url.path, err)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         err = OpenAIError(500, f"internal error: {type(exc).__name__}", "internal_error")
-        return err.response()
+        return error_response(request.url.path, err)

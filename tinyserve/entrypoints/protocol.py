@@ -13,7 +13,7 @@ import time
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall
 
@@ -117,6 +117,7 @@ def bad_request(e: Exception | str, param: str | None = None) -> OpenAIError:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk
 
 
 def _range(description: str | None = None, **bounds: float) -> dict[str, Any]:
@@ -149,8 +150,31 @@ class StructuredOutputsField(_Request):
     json_object: bool | None = None
 
 
+# vLLM's older structured-output keys, still sent by many clients: aliases of
+# ``structured_outputs`` (a 400 with both).
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
+
+
 class _SamplingFields(_Request):
-    """Fields shared by chat and completions; None means "the default"."""
+    """Fields shared by chat and completions; None means "the default". Fields no model
+    declares are kept (``model_extra``) for request_fields.py to accept, log or refuse."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(k in data for k in GUIDED):
+            return data
+        data = dict(data)
+        guided = {GUIDED[k]: data.pop(k) for k in list(data) if k in GUIDED}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        if guided and data.get("structured_outputs") is not None:
+            raise ValueError("guided_*: an alias of structured_outputs; send one of them")
+        if guided:
+            data["structured_outputs"] = guided
+        return data
 
     model: str | None = Field(None, description="The served model name (optional: default model)")
     n: int = Field(1, **_range("Choices to generate for each prompt", minimum=1, maximum=16))

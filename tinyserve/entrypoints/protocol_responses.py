@@ -99,6 +99,8 @@ class ResponsesRequest(_SamplingFields):
             )
         if self.background:
             raise bad_request("background: not supported (stateless server)", "background")
+        if self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs: a chat / completions field", "prompt_logprobs")
 
     def chat_tools(self) -> list[Tool] | None:
         return [t.chat_tool() for t in self.tools] if self.tools is not None else None

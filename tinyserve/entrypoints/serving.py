@@ -30,6 +30,7 @@ from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream,
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+from tinyserve.entrypoints.request_fields import check_extra_fields
 from tinyserve.entrypoints.streaming import (
     Choice,
     collect,
@@ -56,7 +57,26 @@ class Job:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    continuous_usage: bool = False  # and vLLM's continuous_usage_stats: usage on every chunk
     tools: list[T.Tool] = field(default_factory=list)
+
+
+@dataclass
+class RunningUsage:
+    """A streamed request's token counts so far: each prompt once, every choice's output."""
+
+    outputs: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+    cached: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.outputs[out.index] = out.num_output_tokens
+        self.cached = max(self.cached, out.num_cached_tokens)
+
+    def mark(self, job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
+        if job.include_usage:
+            usage = Usage(sum(map(len, job.prompts)), sum(self.outputs.values()), self.cached)
+            chunk["usage"] = usage_info(usage).model_dump() if job.continuous_usage else None
+        return chunk
 
 
 class OpenAIServing:
@@ -71,8 +91,12 @@ class OpenAIServing:
         model_name: str,
         shutdown_grace_period: float = 30.0,
         log_requests: bool = False,
+        open_tool_arguments: bool = False,
     ) -> None:
         self.engine = async_engine
+        # Tool arguments may hold properties their schema does not declare (--open-tool-arguments;
+        # by default OpenAI's strict semantics: tools.closed_objects).
+        self.open_tool_arguments = open_tool_arguments
         self.model_name = model_name
         # Prompts and bodies reach the log only when asked (--log-requests): they are user data.
         self.log_requests = log_requests
@@ -85,6 +109,7 @@ class OpenAIServing:
     async def handle(self, req: Any, raw: Request) -> Response:
         self.check_model(req.model)
         try:
+            check_extra_fields(req)
             job = await self.prepare(req, raw)
             self.log_request(job.request_id, req)
             stream = await self.add(job)
@@ -121,16 +146,20 @@ class OpenAIServing:
 
     async def chunks(self, job: Job, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
         """``data:`` chunks: the API's opening chunks, its chunks for each engine output, and
-        with ``include_usage`` one last chunk with no choices and the usage."""
+        with ``include_usage`` one last chunk with no choices and the usage (OpenAI's
+        contract: every other chunk says ``"usage": null``, or with vLLM's
+        ``continuous_usage_stats`` the counts so far)."""
         head = {"id": job.request_id, "object": self.chunk_object, "created": int(time.time())}
         head["model"] = self.model_name
+        so_far = RunningUsage()
         for chunk in self.stream_start(job, head):
-            yield chunk
+            yield so_far.mark(job, chunk)
         usage = None
         async for out in outputs(stream):
             usage = out.usage or usage
+            so_far.add(out)
             for chunk in self.stream_chunks(job, head, out, finish_reason_of(out)):
-                yield chunk
+                yield so_far.mark(job, chunk)
         if job.include_usage:
             yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
 
@@ -258,10 +287,18 @@ class OpenAIServing:
             return fmt or so
         if fmt is not None or so is not None:
             raise bad_request(f"tools: cannot be combined with {fmt_field}", "tools")
+        return self.tools_constraint(tools, tool_choice, parallel_tool_calls)
+
+    def tools_constraint(
+        self, tools: list[T.Tool], tool_choice: T.ToolChoice | None, parallel_tool_calls: bool
+    ) -> StructuredOutputsParams:
+        """The grammar of the tools' calls (and, with ``auto``, of text instead)."""
         if T.hermes_template(self.tokenizer):  # the template's <tool_call> blocks
-            grammar = T.hermes_grammar(tools, tool_choice, parallel_tool_calls)
+            grammar = T.hermes_grammar(tools, tool_choice, parallel_tool_calls,
+                                       self.open_tool_arguments)  # fmt: skip
             return StructuredOutputsParams(grammar=grammar, field="tools")
-        schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls)
+        schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls,
+                                   self.open_tool_arguments)  # fmt: skip
         return StructuredOutputsParams(json=schema, field="tools")
 
     @staticmethod
@@ -277,6 +314,24 @@ class OpenAIServing:
         if T.hermes_template(self.tokenizer):
             return T.parse_native(text)
         return T.parse_output(text)
+
+    def parse_cut_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+        """An answer cut by max_tokens: what the stream parser would have sent — the calls
+        begun, their arguments as far as they got — so that a forced call cut short still
+        comes back in tool_calls (with finish_reason "length"), never as raw JSON."""
+        parser = self.tool_stream()
+        content, calls = None, {}
+        for delta, _ in parser.feed(text) + parser.finish("length"):
+            if delta.get("content"):
+                content = (content or "") + delta["content"]
+            for e in delta.get("tool_calls") or []:
+                fn = e.get("function") or {}
+                if e.get("id") is not None:
+                    calls[e["index"]] = T.ToolCall(id=e["id"], function=T.FunctionCall(
+                        name=fn.get("name") or "", arguments=fn.get("arguments") or ""))  # fmt: skip
+                elif e["index"] in calls:
+                    calls[e["index"]].function.arguments += fn.get("arguments") or ""
+        return content, [calls[i] for i in sorted(calls)]
 
     def tool_stream(self) -> HermesStream | EnvelopeStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools``."""
@@ -310,10 +365,15 @@ class OpenAIServing:
 
 
 def format_constraint(
-    kind: str | None, schema: dict[str, Any] | None, field: str, schema_field: str
+    kind: str | None,
+    schema: dict[str, Any] | None,
+    field: str,
+    schema_field: str,
+    strict: bool | None = None,
 ) -> StructuredOutputsParams | None:
     """A response format as a grammar: chat's ``response_format`` and the Responses API's
-    ``text.format`` (``field`` and ``schema_field`` name them in errors)."""
+    ``text.format`` (``field`` and ``schema_field`` name them in errors). ``strict``:
+    OpenAI's strict mode, objects take only their declared properties (closed_objects)."""
     if kind is None or kind == "text":
         return None
     if kind == "json_schema" and schema is None:
@@ -321,7 +381,8 @@ def format_constraint(
     try:
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True, field=field)
-        return StructuredOutputsParams(json=schema, field=field)
+        return StructuredOutputsParams(json=T.closed_objects(schema) if strict else schema,
+                                       field=field)  # fmt: skip
     except ValueError as e:
         raise bad_request(e, field) from None
 
@@ -330,11 +391,15 @@ def response_format(req: P._SamplingFields) -> StructuredOutputsParams | None:
     """Chat's and completions' ``response_format`` as a grammar."""
     fmt = req.response_format
     schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema else None
+    strict = fmt.json_schema.strict if fmt is not None and fmt.json_schema else None
     kind = fmt.type if fmt else None
-    return format_constraint(kind, schema, "response_format", "response_format.json_schema.schema")
+    return format_constraint(kind, schema, "response_format", "response_format.json_schema.schema",
+                             strict)  # fmt: skip
 
 
-def _structured_outputs_field(so: P.StructuredOutputsField | None) -> StructuredOutputsParams | None:
+def _structured_outputs_field(
+    so: P.StructuredOutputsField | None,
+) -> StructuredOutputsParams | None:
     """vLLM's ``structured_outputs`` body field."""
     if so is None:
         return None

@@ -52,6 +52,7 @@ class ChatServing(OpenAIServing):
         return ChatJob(
             f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
             tools=tools,
         )  # fmt: skip
 
@@ -62,13 +63,18 @@ class ChatServing(OpenAIServing):
             if job.tools and finish == "stop":
                 content, calls = self.parse_tools(c.text)
                 finish = "tool_calls" if calls else finish
+            elif job.tools and finish == "length":
+                content, calls = self.parse_cut_tools(c.text)
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = L.chat_logprobs(c.logprobs, self.token_str)
             message = P.ChatResponseMessage(content=content, tool_calls=calls or None)
             result_choices.append(
                 P.ChatCompletionChoice(
-                    index=i, message=message, logprobs=logprobs, finish_reason=finish,
+                    index=i,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )  # fmt: skip
             )

@@ -48,6 +48,7 @@ class CompletionServing(OpenAIServing):
         return CompletionJob(
             f"cmpl-{uuid.uuid4().hex}", prompts, params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
             echo=req.echo, prompt_logprobs=req.prompt_logprobs, input_size=size,
         )  # fmt: skip
 

@@ -58,7 +58,8 @@ class ResponsesServing(OpenAIServing):
         tools = self.checked_tools(req.chat_tools(), choice)
         fmt = req.text.format if req.text is not None else None
         so = format_constraint(fmt.type if fmt else None, fmt.schema_ if fmt else None,
-                               "text.format", "text.format.schema")  # fmt: skip
+                               "text.format", "text.format.schema",
+                               fmt.strict if fmt else None)  # fmt: skip
         so = self.constraint(req, so, "text.format", tools, choice, req.parallel_tool_calls)
         params = self.sampling_params(req, max_tokens=req.max_output_tokens, structured_outputs=so)
         # The body's size stands for the input's (templated off the loop when large).

@@ -37,10 +37,13 @@ from tinyserve.structured.schema_fixes import fix_schema
 from tinyserve.utils.regex_size import check_regex, schema_patterns
 
 MAX_PARALLEL_CALLS = 8
-# The options structured/backend.py compiles JSON schemas with, for the %json of the Hermes
-# grammar (the library reads them from the schema's top-level "x-guidance" key there):
-# whitespace bounded so that a model cannot pad a call with newlines until max_tokens.
-_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"[ \t\n\r]{0,40}"}
+# How a call's JSON is written (llguidance's options, read from the schema's top-level
+# "x-guidance" key): on one line, ", " and ": " between items (json.dumps's own form), no
+# other whitespace. Free whitespace let a 135M model pretty-print and pad forced calls until
+# max_tokens (issue 39: 72 of 100 forced weather calls finished within 200 tokens).
+TOOL_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_flexible": False,
+                     "whitespace_pattern": None,  # null: no default pattern merged back in
+                     "item_separator": ", ", "key_separator": ": "}  # fmt: skip
 
 
 class _Wire(BaseModel):
@@ -105,15 +108,22 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
     return list(tools)
 
 
-def call_schema(tools: list[Tool], defs: dict | None = None) -> dict:
+def call_schema(tools: list[Tool], defs: dict | None = None, open_args: bool = False) -> dict:
     """The JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``.
-    Parameters that use ``$ref`` are moved into ``defs`` (the envelope's root ``$defs``)."""
+    Parameters that use ``$ref`` are moved into ``defs`` (the envelope's root ``$defs``).
+    Unless ``open_args``, an object with declared properties takes no others where its schema
+    does not say (OpenAI's strict semantics: ``closed_objects``)."""
+
+    def params(t: Tool) -> dict:
+        p = t.function.parameters or {"type": "object"}
+        return p if open_args else closed_objects(p)
+
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": _relocated(t.function.parameters or {"type": "object"}, i, defs),
+                "arguments": _relocated(params(t), i, defs),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -121,6 +131,38 @@ def call_schema(tools: list[Tool], defs: dict | None = None) -> dict:
         for i, t in enumerate(tools)
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+# Keywords whose values are schemas, or maps / lists of schemas.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed_objects(schema):
+    """A copy of ``schema`` in which every object schema that declares ``properties`` and
+    says nothing of others gets ``"additionalProperties": false``: a call's arguments hold
+    the declared properties only (OpenAI's strict mode). A schema that allows others
+    (``additionalProperties`` or ``patternProperties`` given) is left as it says."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _relocated(params: dict, i: int, defs: dict | None) -> dict:
@@ -156,10 +198,13 @@ def _relocated(params: dict, i: int, defs: dict | None) -> dict:
     return {"$ref": f"#/$defs/{own}"}
 
 
-def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> dict:
-    """The JSON schema the output must match (see the module docstring)."""
+def envelope_schema(
+    tools: list[Tool], choice: ToolChoice | None, parallel: bool, open_args: bool = False
+) -> dict:
+    """The JSON schema the output must match (see the module docstring), written on one
+    line (TOOL_JSON_OPTIONS)."""
     defs: dict = {}
-    one_call = call_schema(tools, defs)
+    one_call = call_schema(tools, defs, open_args)
     # A named tool_choice asks for one call of that function, as OpenAI answers it.
     max_calls = MAX_PARALLEL_CALLS if parallel and not isinstance(choice, NamedToolChoice) else 1
     with_calls = {
@@ -172,7 +217,7 @@ def envelope_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool
         "required": ["tool_calls"],
         "additionalProperties": False,
     }  # fmt: skip
-    root = {"$defs": defs} if defs else {}
+    root = {"x-guidance": TOOL_JSON_OPTIONS, **({"$defs": defs} if defs else {})}
     if choice in (None, "auto"):
         text = {"type": "object", "properties": {"content": {"type": "string"}},
                 "required": ["content"], "additionalProperties": False}  # fmt: skip
@@ -308,14 +353,16 @@ def native_messages(conversation: list[dict], messages) -> list[dict]:
     return out
 
 
-def hermes_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> str:
+def hermes_grammar(
+    tools: list[Tool], choice: ToolChoice | None, parallel: bool, open_args: bool = False
+) -> str:
     """A Lark grammar (llguidance's dialect) of ``<tool_call>`` blocks whose JSON is a valid
     call. ``required`` / named: the output is the blocks. ``auto``: free text, until the model
     writes ``<tool_call>``; from there a valid call must follow (``head`` is a lazy lexeme:
     it ends at the first ``<tool_call>``, so text that goes on to the end never holds one)."""
     many = parallel and not isinstance(choice, NamedToolChoice)
     more = ' ("\\n<tool_call>" call)*' if many else ""
-    schema = {"x-guidance": _JSON_OPTIONS, **fix_schema(call_schema(tools))}
+    schema = {"x-guidance": TOOL_JSON_OPTIONS, **fix_schema(call_schema(tools, None, open_args))}
     lines = ['call: "\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"']
     if choice in (None, "auto"):
         lines += [f"start: TEXT | head call{more}", 'head[lazy]: TEXT "<tool_call>"',

@@ -36,10 +36,12 @@ from tinyserve.structured.spec import StructuredOutputSpec
 PARSER_LIMITS = dict(max_grammar_size=2_000_000, max_lexer_states=250_000, step_lexer_fuel=1_000_000)
 # oneOf is compiled as anyOf (exact when the branches are disjoint, the usual case: a type and
 # null, or objects told apart by a const); llguidance refuses it otherwise.
-# Whitespace between JSON tokens is bounded as llama.cpp's json.gbnf bounds it: one space, or
-# one newline and an indent of up to 20 (pretty-printed JSON ten levels deep). Unbounded, or
-# even as runs of 40, a small model pads with tabs until max_tokens and never closes the value.
-_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_pattern": r"( |\n[ \t]{0,20})?"}
+# JSON is written on one line, ", " and ": " between items (json.dumps's form) and no other
+# whitespace (issue 39: with a newline and an indent allowed, as llama.cpp's json.gbnf bounds
+# it, a small model pretty-prints and runs out of max_tokens more often). A schema's own
+# top-level "x-guidance" key overrides these (e.g. {"whitespace_flexible": true}).
+_JSON_OPTIONS = {"coerce_one_of": True, "whitespace_flexible": False, "whitespace_pattern": None,
+                 "item_separator": ", ", "key_separator": ": "}  # fmt: skip
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 

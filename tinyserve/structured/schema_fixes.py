@@ -8,6 +8,11 @@ integer ``x`` and whose other bound lies less than 1 away (``exclusiveMinimum: 4
 ``-0`` for 0), which the bound excludes. Found by tests/engine/test_structured_fuzz.py. Such
 a bound becomes the inclusive one a hair inside (``minimum: 40.00000004``): a value in that
 hair is the only thing lost.
+
+Dates (``format: "date"``): llguidance takes RFC 3339's four digits of year, 0000 included;
+Python's ``date.fromisoformat`` (what jsonschema's format checker and most clients parse
+dates with) refuses year 0. Such a string schema without a pattern of its own becomes the
+same dates by a pattern, years 0001-9999 (the leap-day rule written out).
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ def fix_schema(schema):
     if out.get("type") != "integer":
         _tighten(out, "exclusiveMinimum", "minimum", ("maximum", "exclusiveMaximum"), +1)
         _tighten(out, "exclusiveMaximum", "maximum", ("minimum", "exclusiveMinimum"), -1)
+    if out.get("format") == "date" and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = DATE_PATTERN
     return out
+
+
+_YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+              r"|02-(0[1-9]|1[0-9]|2[0-8]))")  # fmt: skip
+DATE_PATTERN = rf"^({_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)$"
 
 
 def _number(v) -> bool:

@@ -30,8 +30,10 @@ MAX_MODEL_LEN = 128  # bounds the work a valid generated request can ask for
 # -- checking one response -----------------------------------------------------------------------
 
 
-def error_shape_problem(status: int, body: bytes) -> str | None:
-    """None if a 4xx/5xx body is ``{"error": {"message": str, "type": str, ...}}``."""
+def error_shape_problem(status: int, body: bytes, anthropic: bool = False) -> str | None:
+    """None if a 4xx/5xx body is ``{"error": {"message": str, "type": str, ...}}`` (OpenAI's,
+    with param and code), or with ``anthropic`` ``{"type": "error", "error": {"type",
+    "message"}}`` (the /v1/messages routes)."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -41,6 +43,8 @@ def error_shape_problem(status: int, body: bytes) -> str | None:
         return f"{status} body has no error object: {body[:200]!r}"
     if not isinstance(err.get("message"), str) or not isinstance(err.get("type"), str):
         return f"{status} error lacks message/type: {err}"
+    if anthropic:
+        return None if data.get("type") == "error" else f"{status} not Anthropic's shape: {data}"
     if not {"param", "code"} <= set(err):
         return f"{status} error lacks param/code: {err}"
     return None
@@ -62,7 +66,7 @@ class Tally:
         if status >= 500:
             self.server_errors.append(f"{label}: {status} {body[:300]!r}")
         if status >= 400:
-            problem = error_shape_problem(status, body)
+            problem = error_shape_problem(status, body, " /v1/messages" in label)
             if problem:
                 self.bad_shapes.append(f"{label}: {problem}")
         if expected is not None and status not in expected:

@@ -1,0 +1,167 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) through the
+official ``anthropic`` SDK against a real server on the default model: create, stream (its
+``text_stream`` and final message, the raw event order), a tool round trip (also streamed:
+``input_json_delta`` fragments add up to the call's input), stop sequences, count_tokens,
+Anthropic's error shape, and ``x-api-key`` as well as Bearer when a key is set."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.support.api import MODEL
+from tinyserve.testing.sse import iter_data
+
+WEATHER = {"name": "get_weather", "description": "Current weather of a city",
+           "input_schema": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 30},
+               "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_create_and_count_tokens(claude):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    m = claude.messages.create(model=MODEL, max_tokens=24, system="Be brief.", messages=msgs)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
+    (block,) = m.content
+    assert block.type == "text" and block.text
+    assert 0 < m.usage.output_tokens <= 24
+    count = claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=msgs)
+    assert count.input_tokens == m.usage.input_tokens
+    blocks = claude.messages.create(model=MODEL, max_tokens=24, messages=msgs,
+                                    system=[{"type": "text", "text": "Be brief."}])  # fmt: skip
+    assert blocks.usage.input_tokens == m.usage.input_tokens
+
+
+def test_stream_text_and_events(claude, client):
+    kw = dict(
+        model=MODEL,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "Say hi."}],
+        extra_body={"temperature": 0},
+    )  # (this SDK has no temperature argument)
+    with claude.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text
+    assert final.usage.output_tokens > 0 and final.stop_reason in ("end_turn", "max_tokens")
+    whole = claude.messages.create(**kw)
+    assert whole.content[0].text == text  # greedy: streamed or not, the same answer
+    raw = {k: v for k, v in kw.items() if k != "extra_body"} | kw["extra_body"]
+    with client.stream("POST", "/v1/messages", json={**raw, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(d)["type"] for d in iter_data(r.iter_lines())]
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(events[3:-3]) == {"content_block_delta"}
+
+
+def test_tool_round_trip(claude):
+    m = claude.messages.create(model=MODEL, max_tokens=120, tools=[WEATHER],
+                               tool_choice={"type": "any"}, messages=ASK)  # fmt: skip
+    assert m.stop_reason == "tool_use"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and all(u.name == "get_weather" and u.id.startswith("toolu_") for u in uses)
+    for u in uses:
+        jsonschema.validate(u.input, WEATHER["input_schema"])
+    history = ASK + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id,
+                                      "content": "18 C, sunny"} for u in uses]},
+    ]  # fmt: skip
+    answer = claude.messages.create(model=MODEL, max_tokens=40, tools=[WEATHER],
+                                    tool_choice={"type": "none"}, messages=history)  # fmt: skip
+    assert answer.content and answer.content[0].type == "text"
+    named = claude.messages.create(model=MODEL, max_tokens=120, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather",
+                                                "disable_parallel_tool_use": True},
+                                   messages=ASK)  # fmt: skip
+    assert [b.type for b in named.content] == ["tool_use"]
+
+
+def test_tool_use_streams_as_input_json_deltas(claude):
+    kw = dict(model=MODEL, max_tokens=120, tools=[WEATHER], tool_choice={"type": "any"},
+              messages=ASK, extra_body={"temperature": 0})  # fmt: skip
+    with claude.messages.stream(**kw) as stream:
+        fragments = [
+            e.delta.partial_json
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    (use,) = [b for b in final.content if b.type == "tool_use"][:1]
+    assert json.loads("".join(fragments))["city"] == use.input["city"]
+    whole = claude.messages.create(**kw)
+    assert [b.input for b in whole.content if b.type == "tool_use"][0] == use.input
+
+
+def test_stop_sequences(claude):
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        extra_body={"temperature": 0},
+        stop_sequences=[" "],
+        messages=[{"role": "user", "content": "Write a sentence."}],
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == " "
+    assert " " not in m.content[0].text if m.content else True
+
+
+def test_errors_are_anthropic_shaped(client):
+    def post(body, **kw):
+        return client.post("/v1/messages", json=body, **kw)
+
+    base = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({k: v for k, v in base.items() if k != "max_tokens"}, 400, "invalid_request_error"),
+        ({**base, "model": "claude-nope"}, 404, "not_found_error"),
+        ({**base, "max_tokens": 0}, 400, "invalid_request_error"),
+        ({**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+         "invalid_request_error"),
+        ({**base, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "data": "x"}}]}]}, 400,
+         "invalid_request_error"),
+        ({**base, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+         "invalid_request_error"),
+    ]  # fmt: skip
+    for body, status, kind in cases:
+        r = post(body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
+
+
+def test_x_api_key_and_bearer(fake_server):
+    body = {"model": "fake-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with fake_server(api_key="s3cret") as s:
+        r = httpx.post(s.url("/v1/messages"), json=body)
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error" and r.json()["type"] == "error"
+        assert (
+            httpx.post(s.url("/v1/messages"), json=body, headers={"x-api-key": "no"}).status_code
+            == 401
+        )
+        assert (
+            httpx.post(
+                s.url("/v1/messages"), json=body, headers={"x-api-key": "s3cret"}
+            ).status_code
+            == 200
+        )
+        bearer = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(s.url("/v1/messages"), json=body, headers=bearer).status_code == 200
+        c = anthropic.Anthropic(base_url=s.base_url, api_key="s3cret", max_retries=0)
+        assert (
+            c.messages.count_tokens(model="fake-model", messages=body["messages"]).input_tokens > 0
+        )

@@ -1,0 +1,239 @@
+"""Anthropic's Messages API on the wire (``POST /v1/messages``, ``/v1/messages/count_tokens``):
+the request models, their translation to the chat path's messages, tools and tool choice,
+and the answer's content blocks. No engine imports (as protocol.py).
+
+A request maps onto a chat completion: ``system`` (a string or text blocks) becomes the
+system message; a user turn's ``tool_result`` blocks become ``tool`` messages (before the
+turn's text), an assistant turn's ``tool_use`` blocks its ``tool_calls``; ``tools`` (custom
+tools: ``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``, ``any`` =
+required, ``tool`` = named, ``none``; ``disable_parallel_tool_use``) go through the same
+grammar-enforced tool calling as chat. Images, documents, thinking and server tools are 400s.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tinyserve.entrypoints.protocol import ChatMessage, OpenAIError, _Request, bad_request
+from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall, ToolChoice
+
+# HTTP status -> Anthropic's error type.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}  # fmt: skip
+
+
+def error_body(err: OpenAIError) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = ERROR_TYPES.get(
+        err.status, "api_error" if err.status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Request):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class OtherBlock(_Request):
+    """Any other block (image, document, thinking, ...): refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock
+
+
+class Message(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class CustomTool(_Request):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["custom"] | None = None
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesRequest(_Request):
+    """The fields a Messages API client sends; unknown ones are ignored (``metadata``,
+    ``service_tier`` ...), as the chat path treats metadata."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[Message] = Field(..., min_length=1)
+    max_tokens: int = Field(..., description="Required, as Anthropic's API")
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.thinking and self.thinking.get("type") not in (None, "disabled"):
+            raise bad_request("thinking: the served model has no thinking mode", "thinking")
+
+    def chat_messages(self) -> list[ChatMessage]:
+        out: list[ChatMessage] = []
+        if self.system:
+            text = self.system if isinstance(self.system, str) else _join(self.system)
+            out.append(ChatMessage(role="system", content=text))
+        for i, m in enumerate(self.messages):
+            out += _turn(m, i)
+        return out
+
+    def chat_tools(self) -> list[Tool]:
+        tools = []
+        for i, raw in enumerate(self.tools or []):
+            if raw.get("type") not in (None, "custom"):
+                raise bad_request(f"tools[{i}]: tool type {raw.get('type')!r} is not "
+                                  "supported (custom tools only)", "tools")  # fmt: skip
+            try:
+                t = CustomTool.model_validate(raw)
+                fn = {"name": t.name, "description": t.description, "parameters": t.input_schema}
+                tools.append(Tool.model_validate({"type": "function", "function": fn}))
+            except ValidationError as e:
+                raise bad_request(f"tools[{i}]: {_first_error(e)}", "tools") from None
+        return tools
+
+    def chat_tool_choice(self) -> tuple[ToolChoice | None, bool]:
+        """The chat path's tool_choice and parallel_tool_calls."""
+        c = self.tool_choice
+        if c is None:
+            return None, True
+        parallel = not c.disable_parallel_tool_use
+        if c.type == "tool":
+            if not c.name:
+                raise bad_request("tool_choice: type 'tool' needs a name", "tool_choice")
+            return NamedToolChoice.model_validate({"function": {"name": c.name}}), parallel
+        return {"auto": "auto", "any": "required", "none": "none"}[c.type], parallel
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int | None = None  # type: ignore[assignment]
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ()))
+    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+
+
+def _join(blocks: list[TextBlock]) -> str:
+    return "\n".join(b.text for b in blocks)
+
+
+def _turn(m: Message, i: int) -> list[ChatMessage]:
+    if isinstance(m.content, str):
+        return [ChatMessage(role=m.role, content=m.content)]
+    texts, calls, results = [], [], []
+    for j, b in enumerate(m.content):
+        where = f"messages[{i}].content[{j}]"
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolUseBlock) and m.role == "assistant":
+            calls.append(
+                ToolCall.model_validate(
+                    {
+                        "id": b.id,
+                        "function": {
+                            "name": b.name,
+                            "arguments": json.dumps(b.input, ensure_ascii=False),
+                        },
+                    }
+                )
+            )
+        elif isinstance(b, ToolResultBlock) and m.role == "user":
+            content = b.content if isinstance(b.content, str) else _join(b.content)
+            results.append(
+                ChatMessage(
+                    role="tool",
+                    tool_call_id=b.tool_use_id,
+                    content=("Error: " if b.is_error else "") + content,
+                )
+            )
+        else:
+            raise bad_request(f"{where}: a {b.type!r} block is not supported in a {m.role} "
+                              "turn", "messages")  # fmt: skip
+    turn = []
+    if texts or calls or not results:
+        turn.append(ChatMessage(role=m.role, content="".join(texts) if texts or not calls else None,
+                                tool_calls=calls or None))  # fmt: skip
+    return results + turn
+
+
+# -- the answer ----------------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def content_blocks(content: str | None, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    for c in calls:
+        try:
+            args = json.loads(c.function.arguments or "{}")
+        except ValueError:  # a call cut by max_tokens: its arguments so far, not JSON yet
+            args = {}
+        blocks.append({"type": "tool_use", "id": tool_use_id(c.id), "name": c.function.name,
+                       "input": args})  # fmt: skip
+    return blocks
+
+
+def stop_reason(finish: str | None, stop: int | str | None, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from the chat path's finish reason."""
+    if finish == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def message(message_id: str, model: str, blocks: list, reason: str | None,
+            sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:  # fmt: skip
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}  # fmt: skip
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int

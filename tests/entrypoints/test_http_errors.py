@@ -20,7 +20,6 @@ COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-
 BAD_REQUESTS = [
     (CHAT, {"model": MODEL}, "messages"),
     (CHAT, {"messages": []}, "messages"),
@@ -156,13 +155,18 @@ def test_api_key_guards_every_route_but_health_and_the_page(fake_server):
                     assert r.status_code == 200, (method, route.path)
                 elif route.path == "/playground/{name}":  # the page's files: no key, no such file
                     assert_error(r, 404)
+                elif route.path.startswith("/v1/messages"):  # Anthropic's API, its error shape
+                    assert r.status_code == 401
+                    assert r.json()["error"]["type"] == "authentication_error"
+                    checked.append(f"{method} {route.path}")
                 else:
                     assert_error(r, 401)
                     checked.append(f"{method} {route.path}")
         assert {"POST /v1/chat/completions", "GET /openapi.json", "GET /docs",
-                "POST /v1/responses", "GET /v1/responses/{response_id}"} <= set(checked)  # fmt: skip
+                "POST /v1/responses", "GET /v1/responses/{response_id}", "POST /v1/messages",
+                "POST /v1/messages/count_tokens"} <= set(checked)  # fmt: skip
         assert {"GET /v1/engine/events", "GET /v1/engine/snapshot", "GET /metrics"} <= set(checked)
-        assert len(checked) == 12, checked
+        assert len(checked) == 14, checked
         good = {"Authorization": "Bearer s3cret"}
         schema = httpx.get(s.url("/openapi.json"), headers=good).json()
         assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.api import MODEL, accumulate, non_streamed
 from tinyserve.entrypoints import tools as T
+from tinyserve.structured.strict import closed_objects
 
 # A plain weather tool as clients write it: no additionalProperties, one required property.
 PLAIN = {"type": "function", "function": {
@@ -46,7 +47,7 @@ def test_closed_objects_closes_what_the_schema_leaves_open():
         "$defs": {"D": {"type": "object", "properties": {"e": {}}}},
     }
     before = json.dumps(schema)
-    closed = T.closed_objects(schema)
+    closed = closed_objects(schema)
     assert json.dumps(schema) == before  # the client's schema is not touched
     props = closed["properties"]
     assert closed["additionalProperties"] is False

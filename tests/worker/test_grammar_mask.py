@@ -78,3 +78,25 @@ def test_random_draws_respect_the_mask_over_many_seeds():
         p = SamplingParams(temperature=1.0, seed=seed, top_p=0.9, top_k=50, min_p=0.01)
         meta = SamplingMetadata.build(_rows([p], [_bitmask([allowed])[0]]), V, torch.device("cpu"))
         assert int(Sampler()(logits, meta).sampled_token_ids[0]) in allowed
+
+
+def test_extreme_penalties_and_temperatures_never_leave_the_mask():
+    """A repetition penalty of 5.7e-60 (valid: (0, 10]) was 0 in float32: -inf * 0 made the
+    masked tokens NaN and argmax took one (found by schemathesis as a 500, "the grammar
+    rejected token"); a tiny temperature made allowed logits +inf and softmax NaN. Every row
+    still samples an allowed token, greedy or not."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, V, generator=g) * 8
+    allowed = {3, 20, 41}
+    mask = _bitmask([allowed])[0]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=5.684763150790571e-60),
+        SamplingParams(temperature=1.0, repetition_penalty=5.684763150790571e-60, seed=1),
+        SamplingParams(temperature=1e-30, seed=2),
+        SamplingParams(temperature=1e-30, repetition_penalty=1e-45, min_p=0.85, seed=3),
+    ]
+    rows = [SamplingRow(params=p, prompt_token_ids=list(range(V)), output_token_ids=[3, 20],
+                        grammar_bitmask=mask) for p in params]  # fmt: skip
+    for _ in range(5):
+        out = Sampler()(logits, SamplingMetadata.build(rows, V, torch.device("cpu")))
+        assert set(out.sampled_token_ids.tolist()) <= allowed

@@ -33,6 +33,7 @@ from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
 from tinyserve.entrypoints.streaming import (
     Choice,
+    RunningUsage,
     collect,
     engine_error,
     finish_reason_of,
@@ -44,6 +45,7 @@ from tinyserve.entrypoints.streaming import (
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.outputs import StepOutput, Usage
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tinyserve.structured.strict import closed_objects
 
 logger = logging.getLogger(__name__)
 
@@ -59,24 +61,6 @@ class Job:
     include_usage: bool = False  # stream_options.include_usage
     continuous_usage: bool = False  # and vLLM's continuous_usage_stats: usage on every chunk
     tools: list[T.Tool] = field(default_factory=list)
-
-
-@dataclass
-class RunningUsage:
-    """A streamed request's token counts so far: each prompt once, every choice's output."""
-
-    outputs: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
-    cached: int = 0
-
-    def add(self, out: StepOutput) -> None:
-        self.outputs[out.index] = out.num_output_tokens
-        self.cached = max(self.cached, out.num_cached_tokens)
-
-    def mark(self, job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
-        if job.include_usage:
-            usage = Usage(sum(map(len, job.prompts)), sum(self.outputs.values()), self.cached)
-            chunk["usage"] = usage_info(usage).model_dump() if job.continuous_usage else None
-        return chunk
 
 
 class OpenAIServing:
@@ -381,7 +365,7 @@ def format_constraint(
     try:
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True, field=field)
-        return StructuredOutputsParams(json=T.closed_objects(schema) if strict else schema,
+        return StructuredOutputsParams(json=closed_objects(schema) if strict else schema,
                                        field=field)  # fmt: skip
     except ValueError as e:
         raise bad_request(e, field) from None

@@ -72,6 +72,25 @@ class Choice:
     stop_reason: int | str | None = None
 
 
+@dataclass
+class RunningUsage:
+    """A streamed request's token counts so far: each prompt once, every choice's output;
+    ``mark`` puts them on a chunk as the job's ``stream_options`` ask (serving.py ``Job``)."""
+
+    outputs: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+    cached: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.outputs[out.index] = out.num_output_tokens
+        self.cached = max(self.cached, out.num_cached_tokens)
+
+    def mark(self, job, chunk: dict[str, Any]) -> dict[str, Any]:
+        if job.include_usage:
+            usage = Usage(sum(map(len, job.prompts)), sum(self.outputs.values()), self.cached)
+            chunk["usage"] = usage_info(usage).model_dump() if job.continuous_usage else None
+        return chunk
+
+
 # -- helpers shared by chat and completions ------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.structured.schema_fixes import fix_schema
+from tinyserve.structured.strict import closed_objects
 from tinyserve.utils.regex_size import check_regex, schema_patterns
 
 MAX_PARALLEL_CALLS = 8
@@ -131,38 +132,6 @@ def call_schema(tools: list[Tool], defs: dict | None = None, open_args: bool = F
         for i, t in enumerate(tools)
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
-# Keywords whose values are schemas, or maps / lists of schemas.
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def closed_objects(schema):
-    """A copy of ``schema`` in which every object schema that declares ``properties`` and
-    says nothing of others gets ``"additionalProperties": false``: a call's arguments hold
-    the declared properties only (OpenAI's strict mode). A schema that allows others
-    (``additionalProperties`` or ``patternProperties`` given) is left as it says."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    if isinstance(out.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed_objects(out["additionalProperties"])
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _relocated(params: dict, i: int, defs: dict | None) -> dict:

@@ -33,7 +33,9 @@ from tinyserve.structured.spec import StructuredOutputSpec
 # Bounds on the library's work so a pathological grammar fails (a 400 at compile time, or the
 # request ended at a step) instead of stalling: llguidance's defaults, lexer states raised
 # for large enums, grammar size capped.
-PARSER_LIMITS = dict(max_grammar_size=2_000_000, max_lexer_states=250_000, step_lexer_fuel=1_000_000)
+PARSER_LIMITS = dict(
+    max_grammar_size=2_000_000, max_lexer_states=250_000, step_lexer_fuel=1_000_000
+)
 # oneOf is compiled as anyOf (exact when the branches are disjoint, the usual case: a type and
 # null, or objects told apart by a const); llguidance refuses it otherwise.
 # JSON is written on one line, ", " and ": " between items (json.dumps's form) and no other
@@ -172,7 +174,7 @@ class GrammarBackend:
             schema = json.dumps(fix_schema(json.loads(spec.value)), ensure_ascii=False)
             return grammar_of.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if spec.kind == "json_object":
-            return grammar_of.grammar_from_json_schema('{"type": "object"}')
+            return grammar_of.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
         if spec.kind == "regex":
             return grammar_of.grammar_from_regex(spec.value)
         if spec.kind == "choice":

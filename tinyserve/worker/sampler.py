@@ -227,6 +227,7 @@ class Sampler:
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
+_TINY, _MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -274,9 +275,12 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     output_counts = _token_counts(meta.output_token_ids, V)  # [B, V]
     output_seen = output_counts > 0  # [B, V]
     seen = (_token_counts(meta.prompt_token_ids, V) > 0) | output_seen  # [B, V]
-    rep = meta.repetition_penalty.unsqueeze(1)  # [B, 1]
+    # A penalty below float32's smallest normal (5e-60 is a valid value) would be 0 here, and
+    # -inf * 0 a NaN that argmax takes: a token the grammar masked (the schemathesis fuzz).
+    rep = meta.repetition_penalty.clamp(min=_TINY).unsqueeze(1)  # [B, 1]
     penalty = torch.where(seen, rep, 1.0)  # [B, V]
     logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
+    logits.clamp_(max=_MAX)  # +inf (a big logit over a tiny penalty) -> the largest float
     logits -= meta.frequency_penalty.unsqueeze(1) * output_counts
     logits -= meta.presence_penalty.unsqueeze(1) * output_seen
     return logits
@@ -287,6 +291,7 @@ def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     temperature 1 here; their result is discarded by the caller."""
     temperature = torch.where(meta.temperature == 0.0, 1.0, meta.temperature)  # [B]
     logits.div_(temperature.unsqueeze(1))
+    logits.clamp_(max=_MAX)  # no +inf into softmax (inf - inf = NaN); -inf stays
     if not meta.no_min_p:
         apply_min_p(logits, meta.min_p)
     if not (meta.no_top_k and meta.no_top_p):

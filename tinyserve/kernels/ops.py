@@ -21,7 +21,34 @@ def library() -> ctypes.CDLL | None:
         for f in (lib.rope_and_cache, lib.rope_and_cache_bf16):
             f.argtypes, f.restype = [p, p, p, p, p, p, i64, i32, i32, i32, i32], None
         lib.rms_norm.restype = lib.silu_and_mul.restype = None
+        lib.logprob_rows.argtypes = [p, i64, i64, p, i32, p, p, p, p, i32]
+        lib.logprob_rows.restype = None
     return lib
+
+
+LOGPROB_MAX_K = 32  # ops.c's
+
+
+def logprob_rows(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 ``logits`` [rows, V] and its target id (``targets`` int64 [rows]):
+    the target's log-softmax value, its rank (1 + how many logits exceed it) and the top
+    ``k`` ids and log-softmax values (k <= 32; ties: the lower id first), in two passes over
+    each row (ops.c). -> (logprob [rows], rank [rows] int32, top ids [rows, k] int32, top
+    logprobs [rows, k])."""
+    lib = library()
+    assert lib is not None and logits.dtype == torch.float32 and 0 <= k <= LOGPROB_MAX_K
+    logits, targets = logits.contiguous(), targets.to(torch.int64).contiguous()
+    rows, V = logits.shape
+    lp = torch.empty(rows, dtype=torch.float32)
+    rank = torch.empty(rows, dtype=torch.int32)
+    top_ids = torch.empty(rows, k, dtype=torch.int32)
+    top_lp = torch.empty(rows, k, dtype=torch.float32)
+    lib.logprob_rows(logits.data_ptr(), rows, V, targets.data_ptr(), k, lp.data_ptr(),
+                     rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr(),
+                     kernel_threads())  # fmt: skip
+    return lp, rank, top_ids, top_lp
 
 
 def rms_norm(

@@ -299,10 +299,14 @@ class OpenAIServing:
             return T.parse_native(text)
         return T.parse_output(text)
 
+    def answer_tools(self, job: Job, text: str, finish: str | None) -> tuple[str | None, list]:
+        """Content and calls: parsed when finished, as far as they got when cut; else text."""
+        if job.tools and finish in ("stop", "length"):
+            return (self.parse_tools if finish == "stop" else self.parse_cut_tools)(text)
+        return text, []
+
     def parse_cut_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
-        """An answer cut by max_tokens: what the stream parser would have sent — the calls
-        begun, their arguments as far as they got — so that a forced call cut short still
-        comes back in tool_calls (with finish_reason "length"), never as raw JSON."""
+        """A cut answer as the stream parser sent it: a cut call stays a call, not raw JSON."""
         parser = self.tool_stream()
         content, calls = None, {}
         for delta, _ in parser.feed(text) + parser.finish("length"):

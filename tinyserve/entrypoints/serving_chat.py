@@ -59,12 +59,10 @@ class ChatServing(OpenAIServing):
     def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
         result_choices = []
         for i, c in enumerate(choices):
-            content, calls, finish = c.text, [], c.finish_reason
-            if job.tools and finish == "stop":
-                content, calls = self.parse_tools(c.text)
-                finish = "tool_calls" if calls else finish
-            elif job.tools and finish == "length":
-                content, calls = self.parse_cut_tools(c.text)
+            finish = c.finish_reason
+            content, calls = self.answer_tools(job, c.text, finish)
+            if calls and finish == "stop":
+                finish = "tool_calls"
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = L.chat_logprobs(c.logprobs, self.token_str)

@@ -9,7 +9,6 @@ parsers; the answer is Anthropic's message, or with ``stream: true`` its typed e
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -20,7 +19,6 @@ from tinyserve.entrypoints import protocol_anthropic as A
 from tinyserve.entrypoints.http_guards import check_api_key
 from tinyserve.entrypoints.protocol import bad_request
 from tinyserve.entrypoints.serving import Job, OpenAIServing
-from tinyserve.entrypoints.serving_responses import _deltas
 from tinyserve.entrypoints.streaming import (
     Choice,
     engine_error,
@@ -28,18 +26,14 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     outputs,
     sse,
+    stream_deltas,
 )
 from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams
 
 
-@dataclass
-class MessagesJob(Job):
-    pass
-
-
 class MessagesServing(OpenAIServing):
-    async def prepare(self, req: A.MessagesRequest, raw: Request) -> MessagesJob:
+    async def prepare(self, req: A.MessagesRequest, raw: Request) -> Job:
         prompt_ids, tools, choice, parallel = await self._prompt(req)
         if req.max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", "max_tokens")
@@ -53,7 +47,7 @@ class MessagesServing(OpenAIServing):
             )  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from None
-        return MessagesJob(A.new_message_id(), [prompt_ids], params, stream=req.stream,
+        return Job(A.new_message_id(), [prompt_ids], params, stream=req.stream,
                            tools=tools)  # fmt: skip
 
     async def _prompt(self, req: A.MessagesRequest) -> tuple[list[int], list, Any, bool]:
@@ -71,11 +65,7 @@ class MessagesServing(OpenAIServing):
         return {"input_tokens": len(prompt_ids)}
 
     def _answer(self, job: Job, c: Choice) -> tuple[list[dict[str, Any]], str, str | None]:
-        content, calls = c.text, []
-        if job.tools and c.finish_reason == "stop":
-            content, calls = self.parse_tools(c.text)
-        elif job.tools and c.finish_reason == "length":
-            content, calls = self.parse_cut_tools(c.text)
+        content, calls = self.answer_tools(job, c.text, c.finish_reason)
         reason, sequence = A.stop_reason(c.finish_reason, c.stop_reason, bool(calls))
         return A.content_blocks(content, calls), reason, sequence
 
@@ -97,7 +87,7 @@ class MessagesServing(OpenAIServing):
         try:
             async for out in outputs(stream):
                 usage, finish, stop = out.usage or usage, finish_reason_of(out), out.stop_reason
-                for delta in _deltas(parser, out.text_delta, finish):
+                for delta in stream_deltas(parser, out.text_delta, finish):
                     for event in blocks.feed(delta):
                         yield event
         except (RequestFailedError, EngineDeadError) as e:

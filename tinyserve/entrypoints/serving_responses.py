@@ -39,6 +39,7 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     outputs,
     sse,
+    stream_deltas,
 )
 from tinyserve.outputs import Usage
 
@@ -85,7 +86,7 @@ class ResponsesServing(OpenAIServing):
         (choice,) = choices
         # The whole text through the stream's parser: the same items as when streamed.
         parser = self.tool_stream() if job.tools else None
-        for delta in _deltas(parser, choice.text, choice.finish_reason):
+        for delta in stream_deltas(parser, choice.text, choice.finish_reason):
             job.builder.chat_delta(delta)
         job.builder.finish(choice.finish_reason, usage)
         return dump(job.builder.response)
@@ -107,7 +108,7 @@ class ResponsesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage = out.usage or usage
                 finish = finish_reason_of(out)
-                for delta in _deltas(parser, out.text_delta, finish):
+                for delta in stream_deltas(parser, out.text_delta, finish):
                     for event in builder.chat_delta(delta):
                         yield event
         except (RequestFailedError, EngineDeadError) as e:
@@ -116,14 +117,6 @@ class ResponsesServing(OpenAIServing):
             return
         for event in builder.finish(finish, usage):
             yield event
-
-
-def _deltas(parser: Any, text: str, finish: str | None) -> list[dict[str, Any]]:
-    """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads."""
-    if parser is None:
-        return [{"content": text}]
-    events = parser.feed(text) + (parser.finish(finish) if finish is not None else [])
-    return [delta for delta, _ in events]
 
 
 def _body_size(raw: Request) -> int:

@@ -188,3 +188,11 @@ async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> Asyn
         await events.aclose()  # type: ignore[attr-defined]
     if not typed:
         yield "[DONE]"
+
+
+def stream_deltas(parser: Any, text: str, finish: str | None) -> list[dict[str, Any]]:
+    """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads."""
+    if parser is None:
+        return [{"content": text}]
+    events = parser.feed(text) + (parser.finish(finish) if finish is not None else [])
+    return [delta for delta, _ in events]

@@ -69,12 +69,16 @@ class StructuredOutputManager:
             from tinyserve.structured.backend import PARSER_LIMITS
             from tinyserve.structured.manager import GrammarCompilerPool
             from tinyserve.structured.sandbox import GrammarSandbox
+            from tinyserve.utils.memory import HeapTrimmer
 
             future = _backend_future(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self._backend = future.result()
             sandbox = GrammarSandbox(PARSER_LIMITS, self.compile_timeout)
             self._pool = GrammarCompilerPool(
-                self._backend, compile_timeout_s=self.compile_timeout, sandbox=sandbox
+                self._backend,
+                compile_timeout_s=self.compile_timeout,
+                sandbox=sandbox,
+                trimmer=HeapTrimmer(),
             )
         return self._pool
 

@@ -45,6 +45,7 @@ from tinyserve.entrypoints.serving_completion import CompletionServing
 from tinyserve.entrypoints.serving_messages import MessagesServing, messages_router
 from tinyserve.entrypoints.serving_responses import ResponsesServing, responses_router
 from tinyserve.entrypoints.serving_tokens import TokenizeServing
+from tinyserve.utils.memory import cap_arenas
 
 logger = logging.getLogger(__name__)
 
@@ -313,6 +314,9 @@ def run_server(ns: argparse.Namespace) -> int:
     # concurrent unchanged (docs/architecture.md). Set before MKL initialises; a user's
     # MKL_NUM_THREADS wins. torch.set_num_threads() does not reach these threads.
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    # Four malloc arenas, not glibc's 8 per core: fewer half-empty heaps left by the grammar
+    # compile threads (utils/memory.py; issue 37's soak). A user's MALLOC_ARENA_MAX wins.
+    cap_arenas(4)
     try:
         config = server_config_from_namespace(ns)
     except ValueError as e:

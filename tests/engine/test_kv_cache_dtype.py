@@ -61,7 +61,7 @@ def test_auto_is_a_bf16_cache_exactly_where_attention_runs_on_tiles(smol_path):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [(str(i), random_prompt(30, seed=i, vocab=49152), params) for i in range(3)]
     auto = build_engine(model=smol_path, num_blocks=64, load_tokenizer=False)
-    tiles = attention_kernel.uses_tiles(64) and auto.executor.model.model.layers[0].self_attn.tiles
+    tiles = attention_kernel.uses_tiles(64) and auto.executor.model.attention_method.tiles
     assert auto.executor.kv_dtype == (torch.bfloat16 if tiles else torch.float32)
     if tiles:
         f32 = build_engine(model=smol_path, num_blocks=64, load_tokenizer=False,

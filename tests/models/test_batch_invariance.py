@@ -49,7 +49,8 @@ def alone(model, target):
 def test_on_an_amx_cpu_these_tests_run_the_tiles(model):
     names = {layer.method.name for layer in model.linear_layers().values()}
     assert names == {"kernel-q4_1+bf16", "kernel-q8_0+bf16"}  # every matmul: gemm_amx.h
-    assert all(layer.self_attn.tiles for layer in model.model.layers)  # attention_amx.h
+    assert model.attention_method.tiles  # attention_amx.h, in every layer:
+    assert all(layer.self_attn.method is model.attention_method for layer in model.model.layers)
     assert model.model.step_plan is not None  # ... in the fused step too (its entry points)
 
 

@@ -88,7 +88,7 @@ class StepPlan:
         cfg, attn = model.config, model.model.layers[0].self_attn
         libs = (gemm.library(), gemm.q8_library(), ops.library(), attention.library())
         self._lib = library()
-        tiles = "_tiles" if attn.tiles else ""  # the attention the Python loop calls
+        tiles = "_tiles" if model.attention_method.tiles else ""  # as the Python loop
         self._struct = _Model(
             _fn(libs[0], "gemm"), _fn(libs[1], "qgemm"), _fn(libs[2], "rms_norm"),
             _fn(libs[2], "silu_and_mul"), _fn(libs[2], "rope_and_cache"),
@@ -147,7 +147,9 @@ class StepPlan:
 def build_plan(model) -> StepPlan | None:
     """A StepPlan when every layer runs on the kernels (packed linears, fused norms, RoPE,
     SiLU and the block-table attention, one rank); else None (the Python path serves)."""
-    if library() is None or model.tp.size != 1 or model.attention_backend != "kernel":
+    if library() is None or model.tp.size != 1 or not model.fused_step_ok:
+        return None
+    if not model.attention_method.block_table_inputs:  # the CPU kernels' attention only
         return None
     if gemm.q8_library() is None:
         return None
@@ -155,7 +157,7 @@ def build_plan(model) -> StepPlan | None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not (attn.use_kernel and mlp.use_kernel and all(n.use_kernel for n in norms)):
+        if not (mlp.use_kernel and all(n.use_kernel for n in norms)):
             return None
         lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(lin is None for lin in lins):

@@ -1,8 +1,16 @@
-"""One decoder for Llama and Qwen2, written here (not transformers' modules).
+"""The Llama decoder, written here (not transformers' modules), and the base of every family.
 
-The two differ only by config flags: q/k/v bias (Qwen2), tied or separate LM head, RoPE
-scaling. q/k/v and gate/up are fused into one matrix each (one GEMM instead of three/two);
-the loader's name table maps checkpoint tensors into the fused shards.
+Llama, Qwen2 and Mistral differ only by config: q/k/v bias (Qwen2), tied or separate LM
+head, RoPE scaling. q/k/v and gate/up are fused into one matrix each (one GEMM instead of
+three/two); the loader's name table maps checkpoint tensors into the fused shards. Other
+families (qwen3.py, granite.py, smollm3.py) subclass these classes and override a hook:
+``LlamaAttention.normalize_qk`` / ``rotary``, ``LlamaDecoderLayer.branch``,
+``LlamaModel.embed``, ``LlamaForCausalLM.compute_logits``; the ``*_cls`` class attributes say
+which class each level builds. models/registry.py maps architecture names to the classes.
+
+How attention runs is one ``AttentionMethod`` object (layers/attention_method.py) the loader
+hands to ``set_attention_method``, as each linear layer gets its ``LinearMethod``; the fused
+step (kernels/step.py), where the loader builds one, runs every layer in one C call.
 
 Tensor parallel (Megatron): with a ``TPGroup`` of size N, each rank holds 1/N of the heads
 (q/k/v and gate/up split by output rows: column-parallel) and of o_proj / down_proj's input
@@ -23,7 +31,8 @@ from tinyserve.config import ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
 from tinyserve.kernels import ops
 from tinyserve.layers.activation import silu_and_mul
-from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from tinyserve.layers.attention import AttentionMetadata
+from tinyserve.layers.attention_method import TORCH_ATTENTION, AttentionMethod
 from tinyserve.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -33,13 +42,15 @@ from tinyserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from tinyserve.layers.norm import RMSNorm
-from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
+from tinyserve.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, kv_heads, head_dim],) * 2
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
         self.num_kv_heads = config.num_key_value_heads // tp.size
@@ -58,11 +69,15 @@ class LlamaAttention(nn.Module):
             tp,
         )
         self.o_proj = RowParallelLinear(config.q_size, hidden, False, dtype, tp)
-        # RoPE + cache write in one kernel (kernels/ops.c), with the block-table attention;
-        # set once by the loader, as is tiles: that attention on AMX tiles in bf16, for a
-        # model whose matmuls round activations to bf16 (kernels/attention_amx.h).
-        self.use_kernel = False
-        self.tiles = False
+        self.method: AttentionMethod = TORCH_ATTENTION  # the loader's, via set_attention_method
+
+    def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Hook: q and k before RoPE (Qwen3 normalises each head). Llama: as they are."""
+        return qkv
+
+    def rotary(self, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """Hook: this layer's RoPE tables (SmolLM3's NoPE layers: the identity)."""
+        return cos_sin
 
     def forward(
         self,
@@ -72,23 +87,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         nd = meta.num_decode_tokens
-        qkv = self.qkv_proj(x, nd)  # [num_tokens, q_size + 2 * kv_size]
-        k_cache, v_cache = kv_cache
-        if self.use_kernel:
-            ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
-                               self.num_heads, self.num_kv_heads)  # fmt: skip
-            q = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            o = paged_attention(q[:, : self.num_heads], k_cache, v_cache, meta, self.scale,
-                                self.tiles)
-            return self.o_proj(o.reshape(-1, self.q_size), nd)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotated together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
-        q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
-        k = qk[:, self.num_heads :]  # [num_tokens, kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        qkv = self.normalize_qk(self.qkv_proj(x, nd))  # [num_tokens, q_size + 2 * kv_size]
+        o = self.method.attend(self, qkv, self.rotary(cos_sin), kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size), nd)
 
 
@@ -110,12 +110,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[LlamaMLP] = LlamaMLP
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, tp)
+        self.self_attn = self.attention_cls(config, dtype, tp, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, tp)
+        self.mlp = self.mlp_cls(config, dtype, tp)
+
+    def branch(self, h: torch.Tensor) -> torch.Tensor:
+        """Hook: an attention or MLP output before it joins the residual stream (Granite
+        scales it). Llama: as it is."""
+        return h
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """-> (this layer's output, the residual stream before it is added)."""
@@ -123,12 +133,14 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h = self.branch(self.self_attn(h, cos_sin, kv_cache, meta))
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, meta.num_decode_tokens), residual
+        return self.branch(self.mlp(h, meta.num_decode_tokens)), residual
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(
         self,
         config: ModelConfig,
@@ -141,7 +153,7 @@ class LlamaModel(nn.Module):
         tp = tp or TPGroup()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers)
+            self.layer_cls(config, dtype, tp, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -153,11 +165,15 @@ class LlamaModel(nn.Module):
             inv_freq=rope_inv_freq,
         )
         # kernels/step.py: every layer in one C call, the same kernels as the loop below
-        # (bitwise); set by the loader when every layer runs on the CPU kernels.
+        # (bitwise); the loader's, via LlamaForCausalLM.set_step_plan.
         self.step_plan = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hook: the step's input rows [num_tokens, hidden] (Granite scales them)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        x = self.embed(input_ids)  # [num_tokens, hidden]
         cos_sin = self.rotary_emb.cos_sin(positions)
         if self.step_plan is not None and meta.kernel is not None:  # (torch-path metadata: loop)
             x, residual = self.step_plan.forward(x, cos_sin, kv_caches, meta)
@@ -169,7 +185,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
+    """Serves ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM``
+    checkpoints; the base of the other families."""
+
+    model_cls: type[LlamaModel] = LlamaModel
+    # Whether kernels/step.py's one-call step computes this family (Llama's layer exactly);
+    # a family whose hooks change the layer sets False until step.c learns its difference.
+    fused_step_ok = True
 
     def __init__(
         self,
@@ -184,11 +206,25 @@ class LlamaForCausalLM(nn.Module):
         check_tp_divisible(config, self.tp.size)
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, max_position, rope_inv_freq, self.tp)
-        # "kernel" (tinyserve/kernels/attention.c) or "torch"; set by the loader.
-        self.attention_backend = "torch"
+        self.model = self.model_cls(config, dtype, max_position, rope_inv_freq, self.tp)
+        self.attention_method: AttentionMethod = TORCH_ATTENTION
         if not config.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+
+    def set_attention_method(self, method: AttentionMethod) -> None:
+        """How every layer's attention runs (the loader picks it once)."""
+        self.attention_method = method
+        for layer in self.model.layers:
+            layer.self_attn.method = method
+
+    def set_step_plan(self, plan) -> None:
+        """Every layer in one C call (kernels/step.py ``build_plan``), or None: the loop."""
+        self.model.step_plan = plan
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention method's name: "kernel", "triton" or "torch" (logs, benchmarks)."""
+        return self.attention_method.name
 
     @property
     def lm_head_module(self) -> VocabParallelEmbedding:

@@ -90,10 +90,10 @@ def numerics_path(net: LlamaForCausalLM) -> str:
     methods: dict[str, int] = {}
     for layer in net.linear_layers().values():
         methods[layer.method.name] = methods.get(layer.method.name, 0) + 1
-    tiles = any(getattr(m, "tiles", False) for m in net.modules())
     return (
-        f"linears {dict(sorted(methods.items()))}; attention {net.attention_backend}"
-        f"{' on tiles' if tiles else ''}; fused step {net.model.step_plan is not None}"
+        f"linears {dict(sorted(methods.items()))}; attention {net.attention_method.name}"
+        f"{' on tiles' if net.attention_method.tiles else ''}; "
+        f"fused step {net.model.step_plan is not None}"
     )
 
 
@@ -167,8 +167,7 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
         "linear methods: %s (kernel activations %s); attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
         taken,
-        net.attention_backend + (" on AMX tiles (bf16)" if net.model.layers[0].self_attn.tiles
-                                 else ""),
+        net.attention_method.name + (" on AMX tiles (bf16)" if net.attention_method.tiles else ""),
         net.model.step_plan is not None,
     )
 
@@ -210,18 +209,21 @@ def _use_kernel_attention_and_step(
     """The attention kernel where it fits, the fused ops, then (``fused_step``) the plan that
     runs all layers in one C call."""
     from tinyserve.kernels import attention as attention_kernel
+    from tinyserve.kernels import ops
+    from tinyserve.layers.attention_method import KernelAttention, TritonDecodeAttention
 
     config = net.config
     heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-    if use_kernels and attention_kernel.fits(*heads):
-        net.attention_backend = "kernel"
+    fused_ops = use_kernels and ops.library() is not None
+    if fused_ops and attention_kernel.fits(*heads) and config.head_dim % 16 == 0:
+        net.set_attention_method(KernelAttention(tiles=_tiles_fit(net)))
     elif _triton_decode_fits(net, heads):
-        net.attention_backend = "triton"  # decode rows by the block table (CUDA)
-    _use_fused_ops(net, use_kernels)
+        net.set_attention_method(TritonDecodeAttention())  # decode rows by the block table
+    _use_fused_ops(net, fused_ops)
     if use_kernels and fused_step:
         from tinyserve.kernels import step as step_kernel
 
-        net.model.step_plan = step_kernel.build_plan(net)
+        net.set_step_plan(step_kernel.build_plan(net))
 
 
 def _triton_decode_fits(net: LlamaForCausalLM, heads: tuple[int, int, int]) -> bool:
@@ -240,23 +242,17 @@ def _triton_decode_fits(net: LlamaForCausalLM, heads: tuple[int, int, int]) -> b
     )
 
 
-def _use_fused_ops(net: LlamaForCausalLM, use_kernels: bool) -> None:
+def _use_fused_ops(net: LlamaForCausalLM, on: bool) -> None:
     """The fused residual+RMSNorm and SiLU-and-mul kernels (kernels/ops.c) where they fit."""
-    from tinyserve.kernels import ops
     from tinyserve.layers.norm import RMSNorm
-    from tinyserve.models.llama import LlamaAttention, LlamaMLP
+    from tinyserve.models.llama import LlamaMLP
 
     cfg = net.config
-    on = use_kernels and ops.library() is not None
-    tiles = on and net.attention_backend == "kernel" and _tiles_fit(net)
     for m in net.modules():
         if isinstance(m, RMSNorm):
-            m.use_kernel = on and cfg.hidden_size % 8 == 0
+            m.use_kernel = on and m.weight.numel() == cfg.hidden_size and cfg.hidden_size % 8 == 0
         elif isinstance(m, LlamaMLP):
             m.use_kernel = on and (cfg.intermediate_size // net.tp.size) % 8 == 0
-        elif isinstance(m, LlamaAttention):
-            m.use_kernel = on and net.attention_backend == "kernel" and cfg.head_dim % 16 == 0
-            m.tiles = m.use_kernel and tiles
 
 
 def _tiles_fit(net: LlamaForCausalLM) -> bool:

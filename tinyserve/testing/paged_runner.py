@@ -11,7 +11,6 @@ import random
 
 import torch
 
-from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.worker.kv_cache import allocate_kv_cache
 
 
@@ -54,9 +53,9 @@ class PagedRunner:
             seq_lens.append(end)
             tables.append(list(table))
             self.num_computed[seq] = end
-        meta = AttentionMetadata.build(
+        meta = self.model.attention_method.metadata(
             query_lens, seq_lens, tables, self.block_size, self.device, self.model.dtype,
-            use_kernel=self.model.attention_backend == "kernel", num_decode_seqs=num_decode,
+            num_decode,
         )  # fmt: skip
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),

@@ -70,7 +70,7 @@ class DecodeGraphs:
         self.max_rows = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.scratch_slot = scratch_block * block_size
-        self.backend = "triton" if model.attention_backend == "triton" else "masked"
+        self.backend = model.attention_method.decode_backend or "masked"
         b, dev = self.max_rows, device
         self.ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)

@@ -26,7 +26,7 @@ def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
         raise ValueError(f"kv_cache_dtype='float32' needs a float32 model, not {model.dtype}")
     if name in ("auto", "float32") or model.dtype == torch.bfloat16:
         return model.dtype
-    if model.attention_backend != "kernel":
+    if not model.attention_method.block_table_inputs:
         raise ValueError(
             "kv_cache_dtype='bfloat16' with a float32 model needs the CPU kernels' attention "
             "(a CPU with AVX2/FMA and cpu_kernels on); here attention runs in torch, in "
@@ -36,9 +36,8 @@ def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
 
 
 def attention_tiles(model) -> bool:
-    """Whether the model's attention runs on AMX tiles (set by the loader)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and bool(getattr(layers[0].self_attn, "tiles", False))
+    """Whether the model's attention runs on AMX tiles (the loader's attention method)."""
+    return bool(getattr(getattr(model, "attention_method", None), "tiles", False))
 
 
 def bytes_per_block(

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.kernels import ops
-from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from tinyserve.worker.contention import ThreadGovernor
@@ -187,17 +186,10 @@ class ModelRunner:
                                               step.block_tables):  # fmt: skip
             staged = self.to_device([*graphs.host_inputs(step), *extra])
             return graphs.run(len(step.input_ids), staged[:5]), staged[5:]
-        meta = AttentionMetadata.build(
-            step.query_lens,
-            step.seq_lens,
-            step.block_tables,
-            self.block_size,
-            _HOST,
-            self.model.dtype,
-            use_kernel=self.model.attention_backend == "kernel",
-            num_decode_seqs=step.num_decode_seqs,
-            decode_backend="triton" if self.model.attention_backend == "triton" else None,
-        )
+        meta = self.model.attention_method.metadata(
+            step.query_lens, step.seq_lens, step.block_tables, self.block_size, _HOST,
+            self.model.dtype, step.num_decode_seqs,
+        )  # fmt: skip
         ids = torch.tensor(step.input_ids, dtype=torch.int64)
         pos = torch.tensor(step.positions, dtype=torch.int64)
         # One transfer for the whole step (on a CPU the objects come back as they are).

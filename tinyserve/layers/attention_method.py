@@ -1,0 +1,78 @@
+"""How a decoder's attention runs, picked once at load as the linear layers' methods are
+(layers/linear.py): the loader hands the model one ``AttentionMethod`` and every layer, the
+model runner (which metadata a step builds), the CUDA graphs, the KV-cache allocator and the
+fused step read that object — no backend strings or per-layer flags to keep in step.
+
+  * ``AttentionMethod``       the torch reference: RoPE and the cache write in torch, one SDPA
+                              rectangle per group of rows (layers/attention.py);
+  * ``TritonDecodeAttention`` the same, with decode rows through the Triton block-table kernel
+                              (CUDA; kernels/triton_attention.py);
+  * ``KernelAttention``       the CPU kernels: RoPE + cache write in one call (kernels/ops.c),
+                              then the block-table attention (kernels/attention.c), on AMX
+                              tiles in bf16 with ``tiles``.
+
+``attend`` takes the layer's fused ``qkv`` rows ([tokens, (H + 2 KV) * D], q and k already
+normalised where a family does that) and returns the attention output [tokens, H, D].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.kernels import ops
+from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from tinyserve.layers.rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionMethod:
+    name: str = "torch"
+    block_table_inputs: bool = False  # a step's metadata: the kernel's inputs, not rectangles
+    decode_backend: str | None = None  # the torch path's decode rows: "triton" or rectangles
+    tiles: bool = False  # bf16 on AMX tiles (KernelAttention only)
+
+    def metadata(
+        self, query_lens, seq_lens, block_tables, block_size, device, dtype, num_decode_seqs
+    ) -> AttentionMetadata:
+        """The step's metadata in the form this method reads."""
+        return AttentionMetadata.build(
+            query_lens, seq_lens, block_tables, block_size, device, dtype,
+            use_kernel=self.block_table_inputs, num_decode_seqs=num_decode_seqs,
+            decode_backend=self.decode_backend,
+        )  # fmt: skip
+
+    def attend(self, attn, qkv: torch.Tensor, cos_sin, kv_cache, meta) -> torch.Tensor:
+        """q and k rotated together (one set of elementwise ops), K and V into the cache,
+        then attention over each sequence's blocks."""
+        h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qk, v = qkv.split([(h + kv) * d, kv * d], dim=-1)
+        qk = apply_rotary(qk.view(-1, h + kv, d), *cos_sin)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(qk[:, h:], v.view(-1, kv, d), k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(qk[:, :h], k_cache, v_cache, meta, attn.scale)
+
+
+TORCH_ATTENTION = AttentionMethod()
+
+
+@dataclass(frozen=True)
+class TritonDecodeAttention(AttentionMethod):
+    name: str = "triton"
+    decode_backend: str | None = "triton"
+
+
+@dataclass(frozen=True)
+class KernelAttention(AttentionMethod):
+    name: str = "kernel"
+    block_table_inputs: bool = True
+
+    def attend(self, attn, qkv: torch.Tensor, cos_sin, kv_cache, meta) -> torch.Tensor:
+        """RoPE and the cache write in place in ``qkv`` and the cache, then the kernel."""
+        h, kv = attn.num_heads, attn.num_kv_heads
+        k_cache, v_cache = kv_cache
+        ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
+                           h, kv)  # fmt: skip
+        q = qkv.view(-1, h + 2 * kv, attn.head_dim)
+        return paged_attention(q[:, :h], k_cache, v_cache, meta, attn.scale, self.tiles)

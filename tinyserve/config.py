@@ -13,15 +13,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# HF ``architectures`` name -> the module of tinyserve/models/ that defines its model class
+# (models/registry.py). A new family is that one file plus a line here.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",  # q/k/v bias: a config flag
+    "MistralForCausalLM": "llama",  # Llama's layer; a sliding window where the config sets one
+    "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # HF ``model_type`` / GGUF ``general.architecture`` -> architecture.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama/Qwen2 decoder. Llama and Qwen2 differ only by flags."""
+    """The shape of a decoder. Llama and Qwen2 differ only by flags; the fields after
+    ``eos_token_ids`` are other families' (their model files read them; the defaults are
+    Llama's)."""
 
     architecture: str
     vocab_size: int
@@ -40,6 +54,17 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Attention sees the last ``sliding_window`` positions (Mistral); None: all of them.
+    sliding_window: int | None = None
+    # SmolLM3: per layer, 1 = RoPE, 0 = no position encoding (NoPE). None: RoPE everywhere.
+    no_rope_layers: tuple[int, ...] | None = None
+    # Granite: input rows x embedding_multiplier; each attention / MLP output x
+    # residual_multiplier before the residual add; the softmax scale attention_multiplier
+    # (None: head_dim ** -0.5); logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -63,6 +88,13 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise ValueError(
+                f"model config: no_rope_layers has {len(self.no_rope_layers)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"model config: sliding_window must be > 0, got {self.sliding_window}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
         rope_type = self.rope_type
@@ -90,7 +122,7 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type") or "")
+        arch = archs[0] if archs else HF_MODEL_TYPES.get(cfg.get("model_type") or "")
         if arch is None:
             raise ValueError(
                 "config.json names no architecture (no 'architectures' and an unknown "
@@ -131,6 +163,7 @@ class ModelConfig:
             attention_bias=bool(attention_bias),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            **_family_fields(cfg, arch),
         )
 
     @classmethod
@@ -177,6 +210,27 @@ class ModelConfig:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+
+
+def _family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The fields after ``eos_token_ids`` from a config.json: each where its family sets it.
+    A ``sliding_window`` counts only where the config turns it on (Qwen2 and Qwen3 carry one
+    with ``use_sliding_window: false``; ``layer_types`` without a sliding layer)."""
+    out: dict[str, Any] = {}
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias: MLP biases are not supported (no served family has them)")
+    window = cfg.get("sliding_window")
+    windowed = "sliding_attention" in (cfg.get("layer_types") or ["sliding_attention"])
+    if window is not None and cfg.get("use_sliding_window", True) and windowed:
+        out["sliding_window"] = int(window)
+    if cfg.get("no_rope_layers") is not None:
+        out["no_rope_layers"] = tuple(int(x) for x in cfg["no_rope_layers"])
+    if arch == "GraniteForCausalLM":
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            out[name] = float(cfg.get(name, 1.0))
+        if cfg.get("attention_multiplier") is not None:
+            out["attention_multiplier"] = float(cfg["attention_multiplier"])
+    return out
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")

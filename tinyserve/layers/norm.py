@@ -28,10 +28,11 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps, residual), residual
         if residual is not None:
             residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
+            return self.plain(residual), residual
+        return self.plain(x)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm over the last dim of ``x`` (any leading shape), in torch."""
         if x.dtype == torch.float32:  # one fused op; same arithmetic as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

@@ -254,3 +254,8 @@ class LlamaForCausalLM(nn.Module):
         head = "model.embed_tokens" if self.config.tie_word_embeddings else "lm_head"
         layers[head] = self.lm_head_module
         return layers
+
+
+# Llama's layer exactly (models/registry.py resolves these names).
+Qwen2ForCausalLM = LlamaForCausalLM
+MistralForCausalLM = LlamaForCausalLM

@@ -21,6 +21,7 @@ from tinyserve.config import LoadConfig, ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup
 from tinyserve.models.gguf_checkpoint import GGUFCheckpoint
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.models.registry import model_class
 from tinyserve.models.source import ModelSource, resolve_model_source
 from tinyserve.models.weights import iter_safetensors, load_weights
 
@@ -123,7 +124,7 @@ def load_model(
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, inv_freq = load_model_config(source, ckpt)
-    net = LlamaForCausalLM(
+    net = model_class(config)(
         config, dtype=dtype, max_position=max_position, rope_inv_freq=inv_freq, tp=tp
     )
     if ckpt is not None:

@@ -29,7 +29,18 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 _ARCH = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False, "rope_theta": 1e6}),
-}
+    # head_dim 32 over hidden 64 with 4 heads: explicit, as Qwen3's (128 over 1024 at 0.6B).
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32, "rope_theta": 1e6}),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    # Granite 3.x's own multipliers are 12 / 0.22 / 0.0078125 / 8 at 2B; these are as far from 1.
+    "granite": ("GraniteConfig", {"tie_word_embeddings": True, "embedding_multiplier": 6.0,
+                                  "residual_multiplier": 0.3, "attention_multiplier": 0.05,
+                                  "logits_scaling": 4.0, "pad_token_id": None, "bos_token_id": None,
+                                  "eos_token_id": None}),
+    # Layer 1 of 3 without RoPE (the released model: every fourth).
+    "smollm3": ("SmolLM3Config", {"tie_word_embeddings": True, "no_rope_layers": [1, 0, 1],
+                                  "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+}  # fmt: skip
 
 
 def tiny_config(arch: str, **over):

@@ -46,12 +46,16 @@ class ExecutorConfig(Protocol):
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None, capacity: int) -> int:
-    """The context window: the request's (checked) or the model's, capped by the KV cache."""
-    model_max = config.max_position_embeddings
+    """The context window: the request's (checked) or the model's, capped by the KV cache.
+    A model with a sliding window is served within the window: there full attention is the
+    windowed attention exactly (windowed attention through the paged cache is not built)."""
+    model_max, what = config.max_position_embeddings, "context"
+    if config.sliding_window is not None and config.sliding_window < model_max:
+        model_max, what = config.sliding_window, "sliding window (served up to its length)"
     if requested is not None:
         if requested > model_max:
             raise ValueError(
-                f"max_model_len ({requested}) is larger than the model's context "
+                f"max_model_len ({requested}) is larger than the model's {what} "
                 f"({model_max} positions)"
             )
         if requested > capacity:

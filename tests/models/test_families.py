@@ -1,0 +1,129 @@
+"""The families beyond Llama and Qwen2 (issue 41), each a tiny random transformers checkpoint
+with its own feature switched on and weighted away from the default: our loader + decoder +
+paged cache give transformers' fp32 logits at prefill and at every teacher-forced decode
+step, on the CPU kernels and on the torch path; a batched step gives each sequence its
+logits alone, bitwise; and each feature matters (without it the logits differ)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyserve.config import ModelConfig
+from tinyserve.kernels import attention
+from tinyserve.models.loader import load_model
+from tinyserve.testing.checkpoints import build_hf, hf_logits, random_tokens, save_hf, tiny_config
+from tinyserve.testing.paged_runner import PagedRunner
+from tinyserve.worker.executor import resolve_max_model_len
+
+FAMILIES = ["qwen3", "mistral", "granite", "smollm3"]
+PROMPT_LEN, DECODE_STEPS, BLOCK_SIZE = 20, 12, 4
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    hf = build_hf(tiny_config(request.param))
+    return request.param, save_hf(hf, tmp_path_factory.mktemp(request.param)), hf
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_prefill_and_teacher_forced_decode_match_transformers(family, kernels):
+    name, path, hf = family
+    ours, _ = load_model(path, dtype=torch.float32, cpu_kernels=kernels)
+    assert ours.config.architecture == type(hf).__name__
+    on_kernels = kernels and attention.library() is not None
+    assert ours.attention_method.name == ("kernel" if on_kernels else "torch")
+    # The one-call step: Llama's layer only (Mistral); the others run the per-layer loop.
+    assert (ours.model.step_plan is not None) == (on_kernels and name == "mistral")
+    tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, seed=7)
+    expected = hf_logits(hf, tokens)
+    runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=3)
+    prefill = runner.step([("s", tokens[:PROMPT_LEN])])[0]
+    torch.testing.assert_close(prefill, expected[:PROMPT_LEN], atol=1e-4, rtol=0)
+    for pos in range(PROMPT_LEN, len(tokens)):
+        row = runner.step([("s", [tokens[pos]])], decode={"s"})[0]
+        torch.testing.assert_close(row[0], expected[pos], atol=1e-4, rtol=0,
+                                   msg=lambda m, p=pos: f"{name} position {p}: {m}")  # fmt: skip
+
+
+def test_a_batched_step_gives_each_sequence_its_logits_alone_bitwise(family):
+    name, path, _ = family
+    ours, _ = load_model(path, dtype=torch.float32)
+    a, b = random_tokens(13, seed=1), random_tokens(9, seed=2)
+    plan = {"a": [a[:8], a[8:9], a[9:13]], "b": [b[:3], b[3:8], b[8:9]]}
+    alone = {}
+    for seq, chunks in plan.items():
+        runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=32, seed=ord(seq))
+        alone[seq] = [runner.step([(seq, c)])[0] for c in chunks]
+    runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=5)
+    for step, order in enumerate([["a", "b"], ["b", "a"], ["a", "b"]]):
+        out = runner.step([(s, plan[s][step]) for s in order])
+        for s, logits in zip(order, out, strict=True):
+            assert torch.equal(logits, alone[s][step]), f"{name} seq {s} step {step}"
+
+
+# What each family's feature is, turned off: the logits must then move.
+WITHOUT = {
+    "qwen3": lambda hf: [torch.nn.init.ones_(n.weight) for layer in hf.model.layers
+                         for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
+    "granite": lambda hf: setattr(hf.config, "logits_scaling", 1.0),
+    "smollm3": lambda hf: [setattr(layer.self_attn, "use_rope", 1) for layer in hf.model.layers],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(WITHOUT))
+def test_each_feature_moves_the_logits(name):
+    hf = build_hf(tiny_config(name))
+    tokens = random_tokens(PROMPT_LEN, seed=7)
+    before = hf_logits(hf, tokens)
+    with torch.no_grad():
+        WITHOUT[name](hf)
+    assert (hf_logits(hf, tokens) - before).abs().max() > 1e-2
+
+
+def test_granite_multipliers_each_reach_the_model(tmp_path):
+    """The four scalars, one at a time back to 1: each changes our logits."""
+    tokens = random_tokens(12, seed=4)
+    base = tiny_config("granite")
+    logits = {}
+    for field in (None, "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                  "logits_scaling"):  # fmt: skip
+        cfg = base.to_dict() | ({field: 1.0} if field else {})
+        path = save_hf(build_hf(type(base)(**cfg)), tmp_path / str(field))
+        ours, _ = load_model(path, dtype=torch.float32)
+        logits[field] = PagedRunner(ours, BLOCK_SIZE, num_blocks=16).step([("s", tokens)])[0]
+    for field, got in logits.items():
+        if field is not None:
+            assert (got - logits[None]).abs().max() > 1e-3, field
+
+
+def _config(**cfg) -> ModelConfig:
+    base = {"architectures": ["MistralForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 32768}  # fmt: skip
+    return ModelConfig.from_hf_config({**base, **cfg})
+
+
+def test_a_sliding_window_caps_the_context_it_is_served_with():
+    """Windowed attention through the paged cache is not built: within the window, full
+    attention is the same computation, so the context is the window."""
+    windowed = _config(sliding_window=4096)
+    assert resolve_max_model_len(windowed, None, 10**6) == 4096
+    assert resolve_max_model_len(windowed, 2048, 10**6) == 2048
+    with pytest.raises(ValueError, match="sliding window"):
+        resolve_max_model_len(windowed, 8192, 10**6)
+    assert resolve_max_model_len(_config(sliding_window=None), None, 10**6) == 32768
+    off = _config(architectures=["Qwen3ForCausalLM"], sliding_window=4096, use_sliding_window=False)
+    assert off.sliding_window is None
+    full_layers = _config(sliding_window=4096, layer_types=["full_attention"] * 2)
+    assert full_layers.sliding_window is None
+
+
+@pytest.mark.parametrize(
+    "cfg, field",
+    [({"mlp_bias": True}, "mlp_bias"), ({"no_rope_layers": [1]}, "no_rope_layers"),
+     ({"architectures": ["Gemma4ForCausalLM"]}, "unsupported architecture")],
+)  # fmt: skip
+def test_what_no_family_serves_is_refused_by_name(cfg, field):
+    with pytest.raises(ValueError, match=field):
+        _config(**cfg)

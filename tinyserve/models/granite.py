@@ -1,0 +1,59 @@
+"""IBM Granite 3.x (dense): Llama's layer with four scalars from the config —
+``embedding_multiplier`` on the input rows, ``residual_multiplier`` on each attention and MLP
+output before it joins the residual stream, ``attention_multiplier`` as the softmax scale
+(instead of head_dim ** -0.5) and the logits divided by ``logits_scaling``.
+
+The scale goes to whichever attention method runs (the kernels take it as an argument); the
+multipliers are elementwise in torch around the layers, so the one-call fused step
+(kernels/step.c), which adds a branch to the residual as it is, is not used yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyserve.config import ModelConfig
+from tinyserve.distributed.parallel_state import TPGroup
+from tinyserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class GraniteAttention(LlamaAttention):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
+    ) -> None:
+        super().__init__(config, dtype, tp, layer_idx)
+        if config.attention_multiplier is not None:
+            self.scale = config.attention_multiplier
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GraniteAttention
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
+    ) -> None:
+        super().__init__(config, dtype, tp, layer_idx)
+        self.residual_multiplier = config.residual_multiplier
+
+    def branch(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.residual_multiplier
+
+
+class GraniteModel(LlamaModel):
+    layer_cls = GraniteDecoderLayer
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *args, **kwargs) -> None:
+        super().__init__(config, dtype, *args, **kwargs)
+        self.embedding_multiplier = config.embedding_multiplier
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    model_cls = GraniteModel
+    fused_step_ok = False  # step.c adds each branch to the residual unscaled
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        return super().compute_logits(hidden, num_decode) / self.config.logits_scaling

@@ -1,0 +1,48 @@
+"""Qwen3 (0.6B-32B dense): Llama's layer with an RMSNorm over each head of q and of k before
+RoPE (``q_norm``, ``k_norm``: one weight of ``head_dim`` each, shared by the heads), no q/k/v
+bias, and an explicit ``head_dim`` (Qwen3-0.6B: 16 heads x 128 over a hidden size of 1024).
+
+The norms run in torch on the fused qkv rows, in place, before the layer's attention method
+(RoPE, cache write, attention), so every attention method serves Qwen3 unchanged; the one-call
+fused step (kernels/step.c) does not do them yet, so the loader keeps the per-layer loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyserve.config import ModelConfig
+from tinyserve.distributed.parallel_state import TPGroup
+from tinyserve.layers.norm import RMSNorm
+from tinyserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
+    ) -> None:
+        super().__init__(config, dtype, tp, layer_idx)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Each head of q and of k RMS-normalised over its ``head_dim``, in place."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, : h * d].view(-1, h, d)
+        k = qkv[:, h * d : (h + kv) * d].view(-1, kv, d)
+        q.copy_(self.q_norm.plain(q))
+        k.copy_(self.k_norm.plain(k))
+        return qkv
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    layer_cls = Qwen3DecoderLayer
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen3Model
+    fused_step_ok = False  # step.c has no per-head q/k norm

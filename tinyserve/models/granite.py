@@ -27,12 +27,8 @@ class GraniteAttention(LlamaAttention):
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    attention_cls = GraniteAttention
-
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
-    ) -> None:
-        super().__init__(config, dtype, tp, layer_idx)
+    def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
         self.residual_multiplier = config.residual_multiplier
 
     def branch(self, h: torch.Tensor) -> torch.Tensor:
@@ -40,8 +36,6 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
 
 class GraniteModel(LlamaModel):
-    layer_cls = GraniteDecoderLayer
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype, *args, **kwargs) -> None:
         super().__init__(config, dtype, *args, **kwargs)
         self.embedding_multiplier = config.embedding_multiplier
@@ -52,6 +46,8 @@ class GraniteModel(LlamaModel):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
+    layer_cls = GraniteDecoderLayer
+    attention_cls = GraniteAttention
     fused_step_ok = False  # step.c adds each branch to the residual unscaled
 
     @torch.inference_mode()

@@ -5,7 +5,7 @@ head, RoPE scaling. q/k/v and gate/up are fused into one matrix each (one GEMM i
 three/two); the loader's name table maps checkpoint tensors into the fused shards. Other
 families (qwen3.py, granite.py, smollm3.py) subclass these classes and override a hook:
 ``LlamaAttention.normalize_qk`` / ``rotary``, ``LlamaDecoderLayer.branch``,
-``LlamaModel.embed``, ``LlamaForCausalLM.compute_logits``; the ``*_cls`` class attributes say
+``LlamaModel.embed``, ``LlamaForCausalLM.compute_logits``; its ``*_cls`` class attributes say
 which class each level builds. models/registry.py maps architecture names to the classes.
 
 How attention runs is one ``AttentionMethod`` object (layers/attention_method.py) the loader
@@ -110,17 +110,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls: type[LlamaAttention] = LlamaAttention
-    mlp_cls: type[LlamaMLP] = LlamaMLP
-
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        tp: TPGroup,
+        layer_idx: int = 0,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = self.attention_cls(config, dtype, tp, layer_idx)
+        self.self_attn = attention_cls(config, dtype, tp, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = self.mlp_cls(config, dtype, tp)
+        self.mlp = LlamaMLP(config, dtype, tp)
 
     def branch(self, h: torch.Tensor) -> torch.Tensor:
         """Hook: an attention or MLP output before it joins the residual stream (Granite
@@ -139,8 +141,6 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-
     def __init__(
         self,
         config: ModelConfig,
@@ -148,12 +148,14 @@ class LlamaModel(nn.Module):
         max_position: int | None = None,
         rope_inv_freq: torch.Tensor | None = None,
         tp: TPGroup | None = None,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         tp = tp or TPGroup()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            self.layer_cls(config, dtype, tp, i) for i in range(config.num_hidden_layers)
+            layer_cls(config, dtype, tp, i, attention_cls) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -188,7 +190,10 @@ class LlamaForCausalLM(nn.Module):
     """Serves ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM``
     checkpoints; the base of the other families."""
 
+    # The classes each level builds: a family overrides the ones its hooks live in.
     model_cls: type[LlamaModel] = LlamaModel
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    attention_cls: type[LlamaAttention] = LlamaAttention
     # Whether kernels/step.py's one-call step computes this family (Llama's layer exactly);
     # a family whose hooks change the layer sets False until step.c learns its difference.
     fused_step_ok = True
@@ -206,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
         check_tp_divisible(config, self.tp.size)
         self.config = config
         self.dtype = dtype
-        self.model = self.model_cls(config, dtype, max_position, rope_inv_freq, self.tp)
+        self.model = self.model_cls(config, dtype, max_position, rope_inv_freq, self.tp,
+                                    self.layer_cls, self.attention_cls)  # fmt: skip
         self.attention_method: AttentionMethod = TORCH_ATTENTION
         if not config.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)

@@ -14,7 +14,7 @@ import torch
 from tinyserve.config import ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup
 from tinyserve.layers.norm import RMSNorm
-from tinyserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from tinyserve.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
@@ -35,14 +35,6 @@ class Qwen3Attention(LlamaAttention):
         return qkv
 
 
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen3Attention
-
-
-class Qwen3Model(LlamaModel):
-    layer_cls = Qwen3DecoderLayer
-
-
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    model_cls = Qwen3Model
+    attention_cls = Qwen3Attention
     fused_step_ok = False  # step.c has no per-head q/k norm

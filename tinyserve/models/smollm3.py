@@ -14,7 +14,7 @@ import torch
 
 from tinyserve.config import ModelConfig
 from tinyserve.distributed.parallel_state import TPGroup
-from tinyserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from tinyserve.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class SmolLM3Attention(LlamaAttention):
@@ -32,14 +32,6 @@ class SmolLM3Attention(LlamaAttention):
         return torch.ones_like(cos), torch.zeros_like(sin)
 
 
-class SmolLM3DecoderLayer(LlamaDecoderLayer):
-    attention_cls = SmolLM3Attention
-
-
-class SmolLM3Model(LlamaModel):
-    layer_cls = SmolLM3DecoderLayer
-
-
 class SmolLM3ForCausalLM(LlamaForCausalLM):
-    model_cls = SmolLM3Model
+    attention_cls = SmolLM3Attention
     fused_step_ok = False  # step.c shares one RoPE table across layers

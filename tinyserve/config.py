@@ -370,6 +370,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     # Tool-call arguments may hold undeclared properties (default: OpenAI's strict semantics).
     open_tool_arguments: bool = False
+    # <think> blocks to reasoning_content: "auto" (where the chat template has them), "think",
+    # "none" (entrypoints/reasoning.py).
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:
@@ -378,6 +381,10 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.reasoning_parser not in ("auto", "think", "none"):
+            raise ValueError(
+                f"reasoning_parser must be auto, think or none, got {self.reasoning_parser!r}"
+            )
         for route in self.open_routes:
             if not route.startswith("/") or "*" in route[:-1] or route == "/*":
                 raise ValueError(

@@ -27,7 +27,8 @@ class _Seq:
 
 
 class FakeEngine:
-    """Emits token ``100 + k`` with text ``"t{k} "`` for the k-th output token of a request.
+    """Emits token ``100 + k`` with text ``"t{k} "`` for the k-th output token of a request
+    (with a ``script``: the text ``script[k]``, finishing with "stop" after the last piece).
 
     ``step_delay`` seconds per step; ``explode = True`` makes the next ``step()`` raise
     (kills the engine thread). Counts calls so tests can see the thread sleeping when idle.
@@ -40,8 +41,10 @@ class FakeEngine:
         step_delay: float = 0.0,
         vocab_size: int = 49152,
         max_model_len: int = 512,
+        script: list[str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.script = script
         self.info = EngineInfo("fake-model", "/fake", vocab_size, max_model_len, 1024, max_num_seqs)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -134,18 +137,19 @@ class FakeEngine:
             s.tokens.append(100 + k)
             self.usage[s.parent].completion_tokens += 1
             done = len(s.tokens) >= s.max_tokens
-            if done:
+            ended = self.script is not None and len(s.tokens) >= len(self.script)
+            if done or ended:
                 del self.seqs[rid]
             out = StepOutput(
                 s.parent,
                 [100 + k],
-                f"t{k} ",
-                "length" if done else None,
+                self.script[k] if self.script is not None else f"t{k} ",
+                "stop" if ended else "length" if done else None,
                 s.index,
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_output_tokens=len(s.tokens),
             )
-            outputs.append(self._finish_parent(out) if done else out)
+            outputs.append(self._finish_parent(out) if done or ended else out)
         return outputs
 
     def _finish_parent(self, out: StepOutput) -> StepOutput:

@@ -160,7 +160,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     app.state.async_engine = async_engine
     # One handler per API over the shared steps (serving.py).
     common = (async_engine, model_name, config.shutdown_timeout, config.log_requests,
-              config.open_tool_arguments)  # fmt: skip
+              config.open_tool_arguments, config.reasoning_parser)  # fmt: skip
     app.state.model_name = model_name
     app.state.serving_chat = ChatServing(*common)
     app.state.serving_completion = CompletionServing(*common)
@@ -236,6 +236,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="let tool-call arguments hold properties their schema does not declare (by "
         "default OpenAI's strict semantics: an object with properties takes only those, "
         "unless its schema sets additionalProperties)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("auto", "think", "none"),
+        default="auto",
+        help="chat answers' <think>...</think> block goes to message.reasoning_content: auto "
+        "(where the chat template has <think>: Qwen3, SmolLM3), think (always), none",
     )
     p.add_argument(
         "--shutdown-timeout",

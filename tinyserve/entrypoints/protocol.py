@@ -36,6 +36,14 @@ def _check_unicode(value: Any) -> None:
             _check_unicode(v)
 
 
+# apply_chat_template's own parameters: the server sets them, chat_template_kwargs may not.
+TEMPLATE_OWN_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+    "chat_template", "continue_final_message", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors",
+})  # fmt: skip
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -223,6 +231,7 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking (the template's call)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -239,6 +248,17 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template, e.g. enable_thinking"
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & TEMPLATE_OWN_ARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken[0]!r} is set by the server")
+        return v
 
 
 class ChatLogprobTop(BaseModel):
@@ -258,6 +278,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the <think> block (entrypoints/reasoning.py)
     tool_calls: list[ToolCall] | None = None
 
 

@@ -62,7 +62,6 @@ REJECTED = {
     "logits_processors": "custom logits processors are not supported",
     "guided_whitespace_pattern": "not supported",
     "chat_template": "a per-request chat template is not accepted: the model's own is used",
-    "chat_template_kwargs": "not supported",
     "continue_final_message": "not supported",
     "echo": "echo is a completions field",
     "documents": "not supported",

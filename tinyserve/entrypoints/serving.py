@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream, QueueFullError
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
@@ -76,8 +77,10 @@ class OpenAIServing:
         shutdown_grace_period: float = 30.0,
         log_requests: bool = False,
         open_tool_arguments: bool = False,
+        reasoning_parser: str = "auto",
     ) -> None:
         self.engine = async_engine
+        self.reasoning_parser = reasoning_parser  # entrypoints/reasoning.py
         # Tool arguments may hold properties their schema does not declare (--open-tool-arguments;
         # by default OpenAI's strict semantics: tools.closed_objects).
         self.open_tool_arguments = open_tool_arguments
@@ -183,16 +186,21 @@ class OpenAIServing:
         add_generation_prompt: bool = True,
         tools: list[T.Tool] | None = None,
         tool_choice: T.ToolChoice | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Messages through the tokenizer's chat template (tools rendered by the template
-        when it knows them, else as tools.py writes them)."""
+        when it knows them, else as tools.py writes them); ``template_kwargs``: the request's
+        ``chat_template_kwargs`` (``enable_thinking``), checked by the protocol."""
         conversation = []
         for m in messages:
             content = m.content
             if isinstance(content, list):
                 content = "\n".join(part.text for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
-        kwargs: dict[str, Any] = {}
+            turn = {"role": m.role, "content": content or ""}
+            if getattr(m, "reasoning_content", None):  # an earlier answer's thinking
+                turn["reasoning_content"] = m.reasoning_content
+            conversation.append(turn)
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
         if tools and T.hermes_template(self.tokenizer):  # the template renders the tools
             conversation = T.native_messages(conversation, messages)
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
@@ -340,6 +348,14 @@ class OpenAIServing:
             raise bad_request(e) from None
         except (QueueFullError, EngineDeadError) as e:
             raise engine_error(e) from None
+
+    def thinks(self, template_kwargs: dict[str, Any] | None) -> bool:
+        """Whether this chat answer's <think> block is split off (reasoning.py)."""
+        if (template_kwargs or {}).get(
+            "enable_thinking"
+        ) is False or self.reasoning_parser == "none":
+            return False
+        return self.reasoning_parser == "think" or R.template_thinks(self.tokenizer)
 
     def token_str(self, token_id: int) -> str:
         """A token's text, for logprobs."""

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
+from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints.protocol import bad_request
 from tinyserve.entrypoints.serving import Job, OpenAIServing, response_format
 from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
@@ -23,6 +24,9 @@ from tinyserve.outputs import StepOutput, Usage
 @dataclass
 class ChatJob(Job):
     parsers: dict[int, HermesStream | EnvelopeStream] = field(default_factory=dict)  # streamed
+    thinks: bool = False  # the <think> block goes to reasoning_content (reasoning.py)
+    thinking_open: bool = False  # the prompt ends inside <think>
+    splitters: dict[int, R.ReasoningSplitter] = field(default_factory=dict)  # streamed
 
 
 class ChatServing(OpenAIServing):
@@ -47,26 +51,33 @@ class ChatServing(OpenAIServing):
         )
         prompt_ids = await off_loop(
             input_size(req.messages), self.chat_prompt_ids, req.messages,
-            req.add_generation_prompt, tools, req.tool_choice,
+            req.add_generation_prompt, tools, req.tool_choice, req.chat_template_kwargs,
         )  # fmt: skip
+        thinks = self.thinks(req.chat_template_kwargs)
+        opened = thinks and R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
         return ChatJob(
             f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
-            tools=tools,
+            tools=tools, thinks=thinks, thinking_open=opened,
         )  # fmt: skip
 
     def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
         result_choices = []
         for i, c in enumerate(choices):
             finish = c.finish_reason
-            content, calls = self.answer_tools(job, c.text, finish)
+            reasoning, text = None, c.text
+            if job.thinks:
+                reasoning, text = R.split_reasoning(c.text, job.thinking_open)
+            content, calls = self.answer_tools(job, text or "", finish)
             if calls and finish == "stop":
                 finish = "tool_calls"
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = L.chat_logprobs(c.logprobs, self.token_str)
-            message = P.ChatResponseMessage(content=content, tool_calls=calls or None)
+            message = P.ChatResponseMessage(
+                content=content, reasoning_content=reasoning, tool_calls=calls or None
+            )
             result_choices.append(
                 P.ChatCompletionChoice(
                     index=i,
@@ -92,11 +103,31 @@ class ChatServing(OpenAIServing):
         lp = None
         if job.params.logprobs is not None:
             lp = L.chat_logprobs(out.logprobs, self.token_str)
+        if job.thinks:
+            return self._thinking_chunks(job, head, out, finish, lp)
+        return self._answer_chunks(job, head, out, out.text_delta, finish, lp)
+
+    def _thinking_chunks(self, job: ChatJob, head, out: StepOutput, finish, lp) -> list[dict]:
+        """The reasoning delta as its own chunk, then the content's chunks as without it."""
+        splitter = job.splitters.get(out.index)
+        if splitter is None:
+            splitter = job.splitters[out.index] = R.ReasoningSplitter(job.thinking_open)
+        reasoning, content = splitter.feed(out.text_delta)
+        if finish is not None:
+            more = splitter.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        chunks = (
+            [_chunk(head, out.index, {"reasoning_content": reasoning}, lp)] if reasoning else []
+        )
+        rest = self._answer_chunks(job, head, out, content, finish, None if chunks else lp)
+        return chunks + rest
+
+    def _answer_chunks(self, job: ChatJob, head, out: StepOutput, text: str, finish, lp):
         if job.tools:
             parser = job.parsers.get(out.index)
             if parser is None:
                 parser = job.parsers[out.index] = self.tool_stream()
-            events = parser.feed(out.text_delta)
+            events = parser.feed(text)
             events += parser.finish(finish) if finish is not None else []
             if not events and out.logprobs and lp is not None:
                 events = [({}, None)]
@@ -104,9 +135,9 @@ class ChatServing(OpenAIServing):
                 _chunk(head, out.index, delta, lp if n == 0 else None, fr)
                 for n, (delta, fr) in enumerate(events)
             ]
-        if not out.text_delta and finish is None and not out.logprobs:
-            return []  # the detokenizer held the text back (stop-string or UTF-8 boundary)
-        delta = {"content": out.text_delta} if out.text_delta or finish is None else {}
+        if not text and finish is None and (not out.logprobs or lp is None):
+            return []  # held back (a stop string, a UTF-8 boundary, a tag) or all reasoning
+        delta = {"content": text} if text or finish is None else {}
         return [_chunk(head, out.index, delta, lp, finish)]
 
 

@@ -18,9 +18,9 @@
 // whichever thread computes it, so a row's output never depends on which other rows share
 // the step (batch invariance). Chunks are what let one decode row use every thread.
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
+#include "attention_chunk.h"  // CHUNK, chunk_partials: one chunk's partials for a group of rows
 #include <math.h>
 
-#define CHUNK 64  // keys per chunk
 #define GROUP 8  // consecutive rows of one sequence that share each chunk's key/value reads
 // The same on AMX tiles (attention_amx.h): reading and packing a chunk's keys and values is
 // most of a tile chunk's cost, so the more rows the better while the work items still
@@ -28,7 +28,6 @@
 // threads: 16 rows 20.0 ms, 32 17.4, 64 13.5, 128 32.1 — 128 leaves 12 items, the per-chunk
 // mode). The group is a scheduling choice only: no row's bits depend on it.
 #define GROUP_TILES 64
-#include "attention_chunk.h"  // chunk_partials: one chunk's partials for a group of rows
 #if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
 #include "attention_amx.h"  // chunk_partials_amx: the same on AMX tiles
 // Whether this process may use the tiles (asked once; amx_tile.h).
@@ -90,68 +89,28 @@ static int64_t chunk_scratch_bytes(int G, int D, int tiles) {
 }
 
 
-// Chunk c of group i and KV head g as next_t (its keys: those of the group's last, longest
-// row, at most CHUNK): what a thread prefetches while computing the chunk before it.
-static inline next_t chunk_of(const int32_t *block_tables, int64_t max_blocks,
-                              const int64_t *seq_of_token, const int64_t *grp,
-                              const int64_t *pos, int64_t i, int64_t c, int64_t g) {
-    const int64_t left = pos[grp[i + 1] - 1] + 1 - c * CHUNK;
-    const next_t nx = {block_tables + seq_of_token[grp[i]] * max_blocks, g, c * CHUNK,
-                       left < CHUNK ? (int)left : CHUNK};
-    return nx;
-}
+// A call's rows as attention_run plans them, and what every work item reads. Per row t:
+// pos[t] its last key, first[t] the chunks before it; per group i: grp[i] its first row
+// (grp[ng] = T), gfirst[i] the chunks of the groups before it (a group has its longest
+// row's chunks).
+typedef struct {
+    attn_t a;
+    const float *q;
+    int64_t q_stride;
+    const int64_t *seq_of_token;
+    const int32_t *block_tables;
+    int64_t max_blocks;
+    float *out;
+    int tiles, G;
+    int64_t pf;  // floats of one chunk's partial
+    int64_t T, ng, *pos, *first, *grp, *gfirst;
+} plan_t;
 
-// Chunk c's partials for the rows of group t0 .. t1-1 that reach it (pos[t]: row t's last
-// key, increasing within a group, so they are its last rows); row t's goes to part_of(t).
-#define GROUP_CHUNK(part_of, next)                                                          \
-    do {                                                                                    \
-        const int64_t j0_ = c * CHUNK;                                                      \
-        int64_t ta_ = t0;                                                                   \
-        while (pos[ta_] < j0_) ta_++;                                                       \
-        int n_[GROUP_TILES];                                                                \
-        float *pp_[GROUP_TILES];                                                            \
-        for (int64_t t = ta_; t < t1; t++) {                                                \
-            n_[t - ta_] = pos[t] + 1 - j0_ < CHUNK ? (int)(pos[t] + 1 - j0_) : CHUNK;       \
-            pp_[t - ta_] = (part_of);                                                       \
-        }                                                                                   \
-        (tiles ? chunk_partials_tiles : chunk_partials)(&a, q + ta_ * q_stride, q_stride,    \
-                                                        (int)(t1 - ta_), n_, table, g, j0_,   \
-                                                        pp_, sc, next);                       \
-    } while (0)
-
-// The entry points' body (paged_attention, paged_attention_bf16 below; ctypes). block_tables:
-// int32 [num_seqs, max_blocks]; seq_of_token: int64 [T]. Requires D % 8 == 0. Returns 0, or
-// -1 if memory ran out.
-//
-// Work is cut into groups of up to GROUP (on tiles GROUP_TILES) consecutive rows of one
-// sequence (a verification run, a prefill chunk's rows): a group reads each chunk of keys
-// and values once for all its rows. With many (group, KV head) pairs each pair is a work item and walks its chunks; with
-// few (decode at small batch, one verification run) every (group, KV head, chunk) is one.
-// Either way a thread claims its next item before computing this one and prefetches the
-// next chunk's keys and values into L2 meanwhile (next_t): a decode step's attention had
-// waited on memory for every chunk, since a layer's cache lines are evicted by the weights
-// streamed between two layers (whole decode steps at 600 tokens 1.10x at one sequence,
-// 1.31-1.40x at 8-32; at 1500 up to 1.76x; Zen 4, benchmarks/README.md).
-static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
-                         const void *v_cache, int bf16, int block_size, int H, int KVH, int D,
-                         const int64_t *query_start_loc, const int64_t *seq_lens,
-                         const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
-                         int64_t max_blocks, float scale, float *out, int nthreads,
-                         int want_tiles) {
-    if (T <= 0) return 0;
-    const attn_t a = {k_cache, v_cache, block_size, H, KVH, D, bf16, scale};
-    // Tiles (asked for by the _tiles entry points): every row of the call, for head sizes of
-    // whole tiles — one numeric path.
-#ifdef ATTN_AMX
-    const int tiles = want_tiles && D % 32 == 0 && attn_amx_ready();
-#else
-    const int tiles = 0;
-    (void)want_tiles;
-#endif
-    const int G = H / KVH, group = tiles ? GROUP_TILES : GROUP;
-    const int64_t pf = (int64_t)G * (D + 2);  // floats of one chunk's partial
-    // pos[t]: row t's last key; first[t]: chunks before row t; grp: group starts (ng + 1);
-    // gfirst[i]: chunks of the groups before group i (a group has its longest row's chunks).
+// p's rows cut into groups of up to `group` consecutive rows of one sequence (pos .. gfirst
+// in one allocation at p->pos). Returns 0, or -1 if memory ran out.
+static int plan_rows(plan_t *p, const int64_t *query_start_loc, const int64_t *seq_lens,
+                     int group) {
+    const int64_t T = p->T, *seq_of_token = p->seq_of_token;
     int64_t *buf = (int64_t *)malloc((4 * T + 3) * sizeof(int64_t));
     if (buf == NULL) return -1;
     int64_t *pos = buf, *first = pos + T, *grp = first + T + 1, *gfirst = grp + T + 1, ng = 0;
@@ -170,54 +129,100 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
         for (int64_t t = grp[i]; t < grp[i + 1]; t++) last = pos[t] > last ? pos[t] : last;
         gfirst[i + 1] = gfirst[i] + last / CHUNK + 1;
     }
-    int failed = 0;
+    p->pos = pos, p->first = first, p->grp = grp, p->gfirst = gfirst, p->ng = ng;
+    return 0;
+}
+
+// Chunk c of group i and KV head g as next_t (its keys: those of the group's last, longest
+// row, at most CHUNK): what a thread prefetches while computing the chunk before it.
+static inline next_t chunk_of(const plan_t *p, int64_t i, int64_t c, int64_t g) {
+    const int64_t left = p->pos[p->grp[i + 1] - 1] + 1 - c * CHUNK;
+    const next_t nx = {p->block_tables + p->seq_of_token[p->grp[i]] * p->max_blocks, g,
+                       c * CHUNK, left < CHUNK ? (int)left : CHUNK};
+    return nx;
+}
+
+// Chunk c's partials for the rows of group i that reach it (pos[t]: row t's last key,
+// increasing within a group, so they are its last rows) and KV head g; row t's (t0: the
+// group's first row) goes to rows[t - t0] + c * pf.
+static void group_chunk(const plan_t *p, int64_t i, int64_t c, int64_t g, float *const *rows,
+                        void *sc, const next_t *next) {
+    const int64_t j0 = c * CHUNK, t0 = p->grp[i], t1 = p->grp[i + 1];
+    int64_t ta = t0;
+    while (p->pos[ta] < j0) ta++;
+    int n[GROUP_TILES];
+    float *pp[GROUP_TILES];
+    for (int64_t t = ta; t < t1; t++) {
+        n[t - ta] = p->pos[t] + 1 - j0 < CHUNK ? (int)(p->pos[t] + 1 - j0) : CHUNK;
+        pp[t - ta] = rows[t - t0] + c * p->pf;
+    }
+    const int32_t *table = p->block_tables + p->seq_of_token[t0] * p->max_blocks;
+    (p->tiles ? chunk_partials_tiles : chunk_partials)(&p->a, p->q + ta * p->q_stride,
+                                                        p->q_stride, (int)(t1 - ta), n, table,
+                                                        g, j0, pp, sc, next);
+}
+
+// Row t's output heads of KV head g from its nc chunk partials at parts.
+static void combine_row(const plan_t *p, const float *parts, int64_t nc, int64_t t, int64_t g) {
+    combine(parts, nc, p->G, p->a.D, p->out + t * p->a.H * p->a.D + g * p->G * p->a.D);
+}
+
+// One (group i, KV head g) work item: its chunks in order into the thread's scratch, each
+// prefetching the next (the last: after, the thread's next item's first), then its rows
+// combined. Returns 0, or -1 if memory ran out.
+static int group_item(const plan_t *p, int64_t i, int64_t g, const next_t *after) {
+    const int64_t t0 = p->grp[i], t1 = p->grp[i + 1], ncm = p->gfirst[i + 1] - p->gfirst[i];
+    const int64_t csb = chunk_scratch_bytes(p->G, p->a.D, p->tiles);
+    char *sc = (char *)get_scratch(csb + (t1 - t0) * ncm * p->pf * sizeof(float));
+    if (sc == NULL) return -1;
+    float *parts = (float *)(sc + csb), *rows[GROUP_TILES];  // row t's: [ncm] chunks
+    for (int64_t t = t0; t < t1; t++) rows[t - t0] = parts + (t - t0) * ncm * p->pf;
+    for (int64_t c = 0; c < ncm; c++) {
+        const next_t nx = c + 1 < ncm ? chunk_of(p, i, c + 1, g) : *after;
+        group_chunk(p, i, c, g, rows, sc, &nx);
+    }
+    for (int64_t t = t0; t < t1; t++)
+        combine_row(p, rows[t - t0], p->first[t + 1] - p->first[t], t, g);
+    return 0;
+}
+
+// Many (group, KV head) pairs: each one work item (group_item), claimed one ahead (as in
+// by_chunk) so that its last chunk prefetches the first of the thread's next item.
+static int by_group(const plan_t *p, int nthreads) {
+    const int64_t KVH = p->a.KVH, items = p->ng * KVH;
     const next_t none = {NULL, 0, 0, 0};
-#define CHUNK_OF(i, c, g) chunk_of(block_tables, max_blocks, seq_of_token, grp, pos, i, c, g)
-    if (ng * KVH >= 8 * (int64_t)nthreads) {
-        int64_t claimed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-        {
-            // (group, KV head) items claimed one ahead (as below): each chunk prefetches the
-            // next, the item's last chunk the first of the thread's next item.
-            int64_t it = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            while (it < ng * KVH) {
-                const int64_t it2 = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-                const int64_t i = it / KVH, g = it % KVH, t0 = grp[i], t1 = grp[i + 1];
-                const int64_t ncm = gfirst[i + 1] - gfirst[i];
-                char *sc = (char *)get_scratch(chunk_scratch_bytes(G, D, tiles) +
-                                               (t1 - t0) * ncm * pf * sizeof(float));
-                if (sc == NULL) {
-                    failed = 1;
-                    break;
-                }
-                float *parts = (float *)(sc + chunk_scratch_bytes(G, D, tiles));
-                const int32_t *table = block_tables + seq_of_token[t0] * max_blocks;
-                for (int64_t c = 0; c < ncm; c++) {
-                    const next_t nx = c + 1 < ncm       ? CHUNK_OF(i, c + 1, g)
-                                      : it2 < ng * KVH ? CHUNK_OF(it2 / KVH, 0, it2 % KVH)
-                                                       : none;
-                    GROUP_CHUNK(parts + ((t - t0) * ncm + c) * pf, &nx);
-                }
-                for (int64_t t = t0; t < t1; t++)
-                    combine(parts + (t - t0) * ncm * pf, first[t + 1] - first[t], G, D,
-                            out + t * H * D + g * G * D);
-                it = it2;
-            }
-        }
-        free(buf);
-        return failed ? -1 : 0;
-    }
-    // Row t's partials: parts + (first[t] * KVH + g * nc_t + c) * pf.
-    float *parts = (float *)malloc(first[T] * KVH * pf * sizeof(float));
-    if (parts == NULL) {
-        free(buf);
-        return -1;
-    }
-    const int64_t items = gfirst[ng] * KVH;
+    int failed = 0;
     int64_t claimed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        void *sc = get_scratch(chunk_scratch_bytes(G, D, tiles));
+        int64_t it = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (it < items) {
+            const int64_t it2 = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            const next_t after = it2 < items ? chunk_of(p, it2 / KVH, 0, it2 % KVH) : none;
+            if (group_item(p, it / KVH, it % KVH, &after) != 0) {
+                failed = 1;
+                break;
+            }
+            it = it2;
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+// Few (group, KV head) pairs: every (group, KV head, chunk) one work item, into the call's
+// partials (row t's: parts + (first[t] * KVH + g * nc_t + c) * pf), then every (row, KV
+// head) combined.
+static int by_chunk(const plan_t *p, int nthreads) {
+    const int64_t KVH = p->a.KVH, pf = p->pf, *first = p->first, *gfirst = p->gfirst;
+    const next_t none = {NULL, 0, 0, 0};
+    float *parts = (float *)malloc(first[p->T] * KVH * pf * sizeof(float));
+    if (parts == NULL) return -1;
+    const int64_t items = gfirst[p->ng] * KVH;
+    int64_t claimed = 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        void *sc = get_scratch(chunk_scratch_bytes(p->G, p->a.D, p->tiles));
         if (sc == NULL) failed = 1;
         // Items are claimed from a shared counter one ahead: a thread holding item it has
         // already claimed its next one, and prefetches that item's keys and values while it
@@ -231,24 +236,62 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
             while (gfirst[i + 1] <= gc) i++;
             int64_t i2 = i;
             while (it2 < items && gfirst[i2 + 1] <= it2 / KVH) i2++;
-            const int64_t c = gc - gfirst[i];
-            const int32_t *table = block_tables + seq_of_token[grp[i]] * max_blocks;
-            const int64_t t0 = grp[i], t1 = grp[i + 1];
-            const next_t nx = it2 < items ? CHUNK_OF(i2, it2 / KVH - gfirst[i2], it2 % KVH) : none;
-            GROUP_CHUNK(parts + (first[t] * KVH + g * (first[t + 1] - first[t]) + c) * pf, &nx);
+            const next_t nx =
+                it2 < items ? chunk_of(p, i2, it2 / KVH - gfirst[i2], it2 % KVH) : none;
+            float *rows[GROUP_TILES];
+            for (int64_t t = p->grp[i]; t < p->grp[i + 1]; t++)
+                rows[t - p->grp[i]] = parts + (first[t] * KVH + g * (first[t + 1] - first[t])) * pf;
+            group_chunk(p, i, gc - gfirst[i], g, rows, sc, &nx);
             it = it2, i = i2;
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < T * KVH; it++) {
+        for (int64_t it = 0; it < p->T * KVH; it++) {
             const int64_t t = it / KVH, g = it % KVH, nc = first[t + 1] - first[t];
-            combine(parts + (first[t] * KVH + g * nc) * pf, nc, G, D, out + t * H * D + g * G * D);
+            combine_row(p, parts + (first[t] * KVH + g * nc) * pf, nc, t, g);
         }
     }
     free(parts);
-    free(buf);
     return failed ? -1 : 0;
-#undef CHUNK_OF
+}
+
+// The entry points' body (paged_attention, paged_attention_bf16 below; ctypes). block_tables:
+// int32 [num_seqs, max_blocks]; seq_of_token: int64 [T]. Requires D % 8 == 0. Returns 0, or
+// -1 if memory ran out.
+//
+// Work is cut into groups of up to GROUP (on tiles GROUP_TILES) consecutive rows of one
+// sequence (a verification run, a prefill chunk's rows): a group reads each chunk of keys
+// and values once for all its rows. With many (group, KV head) pairs each pair is a work
+// item and walks its chunks (by_group); with few (decode at small batch, one verification
+// run) every (group, KV head, chunk) is one (by_chunk). Either way a thread claims its next
+// item before computing this one and prefetches the next chunk's keys and values into L2
+// meanwhile (next_t): a decode step's attention had waited on memory for every chunk, since
+// a layer's cache lines are evicted by the weights streamed between two layers (whole
+// decode steps at 600 tokens 1.10x at one sequence, 1.31-1.40x at 8-32; at 1500 up to
+// 1.76x; Zen 4, benchmarks/README.md).
+static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
+                         const void *v_cache, int bf16, int block_size, int H, int KVH, int D,
+                         const int64_t *query_start_loc, const int64_t *seq_lens,
+                         const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
+                         int64_t max_blocks, float scale, float *out, int nthreads,
+                         int want_tiles) {
+    if (T <= 0) return 0;
+    plan_t p = {{k_cache, v_cache, block_size, H, KVH, D, bf16, scale}, q, q_stride,
+                seq_of_token, block_tables, max_blocks, out, 0, H / KVH, 0, T, 0,
+                NULL, NULL, NULL, NULL};
+    // Tiles (asked for by the _tiles entry points): every row of the call, for head sizes of
+    // whole tiles — one numeric path.
+#ifdef ATTN_AMX
+    p.tiles = want_tiles && D % 32 == 0 && attn_amx_ready();
+#else
+    (void)want_tiles;
+#endif
+    p.pf = (int64_t)p.G * (D + 2);
+    if (plan_rows(&p, query_start_loc, seq_lens, p.tiles ? GROUP_TILES : GROUP) != 0) return -1;
+    const int rc = p.ng * KVH >= 8 * (int64_t)nthreads ? by_group(&p, nthreads)
+                                                        : by_chunk(&p, nthreads);
+    free(p.pos);
+    return rc;
 }
 
 // The entry points (ctypes; step.c's attn_fn): paged_attention over a float32 cache,

@@ -1,8 +1,8 @@
 // attention.c's chunk on AMX tiles (built at the ISA level "amx", or with
 // -DTINYSERVE_AMX_EMULATE on any CPU through amx_tile.h's scalar tiles): the same partial
 // (score maximum m, exp-sum l, weighted value sum o) of up to CHUNK keys for the queries of a
-// group of rows, with q.k and p.v as TDPBF16PS products instead of float32 FMAs. Included by
-// attention.c only (after attention_chunk.h: slot_ptrs, prefetch_next, next_t, attn_t).
+// group of rows, with q.k and p.v as TDPBF16PS products instead of float32 FMAs. A header
+// of attention.c's, over attention_chunk.h (attn_t, next_t, slot_ptrs, CHUNK).
 //
 // Per query (a row's head), whatever the other queries of its tile or group, the rows of the
 // step and the thread:
@@ -21,7 +21,11 @@
 // D % 32 == 0 (else attention.c keeps the float chunk).
 #ifndef TINYSERVE_ATTENTION_AMX_H
 #define TINYSERVE_ATTENTION_AMX_H
+#include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE, exp256 / exp512, hsum8
+#include "attention_chunk.h"  // attn_t, next_t, slot_ptrs, CHUNK
 #include "amx_tile.h"
+#include <math.h>
+#include <string.h>
 
 #define ATTN_AMX 1
 
@@ -278,17 +282,79 @@ static void chunk_few_queries(const attn_t *a, const float *q, int64_t q_stride,
     for (int m = 0; m < M; m++) memcpy(parts[m / G] + (m % G) * (D + 2) + 2, ob + m * D, D * sizeof(float));
 }
 
+// The many-query form's tiles (64 bytes wide; 0-5 with the query tile's rows, 6-7 16): 0-3
+// four C tiles (four key blocks of scores, or four 16-wide slices of the outputs) so that
+// four multiplies are in flight, 4 the A tile (queries or p), 6-7 the B tiles (keys or
+// values). IF_C(C, ...): only for the C tiles c < nc in use.
+#define IF_C(C, ...) if ((C) < nc) __VA_ARGS__
+
+// Scores of the query tile (qb [16][D] bf16) against the nkb <= 4 key blocks of kt into sb
+// [16][CHUNK], each summed over d in order (ns steps of 32).
+static void amx_scores(const uint32_t *kt, const uint16_t *qb, float *sb, int nkb, int ns, int D) {
+#define SCORE(C, BT) IF_C(C, { TILE_LOAD(BT, kt + (s * nkb + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
+    const int nc = nkb;
+    IF_C(0, TILE_ZERO(0)); IF_C(1, TILE_ZERO(1)); IF_C(2, TILE_ZERO(2)); IF_C(3, TILE_ZERO(3));
+    for (int s = 0; s < ns; s++) {
+        TILE_LOAD(4, qb + s * 32, D * 2);
+        SCORE(0, 6); SCORE(1, 7); SCORE(2, 6); SCORE(3, 7);
+    }
+    IF_C(0, TILE_STORE(0, sb, CHUNK * 4)); IF_C(1, TILE_STORE(1, sb + 16, CHUNK * 4));
+    IF_C(2, TILE_STORE(2, sb + 32, CHUNK * 4)); IF_C(3, TILE_STORE(3, sb + 48, CHUNK * 4));
+#undef SCORE
+}
+
+// The query tile's outputs ob [16][D] = p (pb [16][CHUNK] bf16) times the values vt over
+// the nk keys: four 16-wide slices of d at a time, each summed over the keys in order.
+static void amx_outputs(const uint32_t *vt, const uint16_t *pb, float *ob, int nk, int nd, int D) {
+#define WSUM(C, BT) IF_C(C, { TILE_LOAD(BT, vt + (t * nd + db + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
+    for (int db = 0; db < nd; db += 4) {
+        const int nc = nd - db < 4 ? nd - db : 4;
+        IF_C(0, TILE_ZERO(0)); IF_C(1, TILE_ZERO(1)); IF_C(2, TILE_ZERO(2)); IF_C(3, TILE_ZERO(3));
+        for (int t = 0; t < nk / 32; t++) {
+            TILE_LOAD(4, pb + t * 32, CHUNK * 2);
+            WSUM(0, 6); WSUM(1, 7); WSUM(2, 6); WSUM(3, 7);
+        }
+        float *o = ob + db * 16;
+        IF_C(0, TILE_STORE(0, o, D * 4)); IF_C(1, TILE_STORE(1, o + 16, D * 4));
+        IF_C(2, TILE_STORE(2, o + 32, D * 4)); IF_C(3, TILE_STORE(3, o + 48, D * 4));
+    }
+#undef WSUM
+}
+#undef IF_C
+
+// Queries m0 .. m0+mq-1 (mq <= 16, one A tile; query m: row m / G, head g * G + m % G) in the
+// many-query form, over the packed keys kt and values vt of nk keys: their partials into
+// parts. qb [16][D], pb [16][CHUNK], sb [16][max(CHUNK, D)]: chunk_partials_amx_t's scratch.
+static void amx_query_tile(const attn_t *a, const float *q, int64_t q_stride, int64_t g,
+                           int m0, int mq, const int *n_row, int nk, const uint32_t *kt,
+                           const uint32_t *vt, uint16_t *qb, uint16_t *pb, float *sb,
+                           float *const *parts) {
+    const int G = a->H / a->KVH, D = a->D;
+    for (int m = m0; m < m0 + mq; m++) {
+        const float *qr = q + (m / G) * q_stride + (g * G + m % G) * D;
+        for (int d = 0; d < D; d += 32) to_bf16_32(qr + d, qb + (m - m0) * D + d);
+    }
+    const uint8_t r = (uint8_t)mq, rows[8] = {r, r, r, r, r, r, 16, 16};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tile_config_shapes(rows, colsb);
+    amx_scores(kt, qb, sb, nk / 16, D / 32, D);
+    for (int m = m0; m < m0 + mq; m++)
+        softmax_row(sb + (m - m0) * CHUNK, n_row[m / G], nk, a->scale, pb + (m - m0) * CHUNK,
+                    parts[m / G] + (m % G) * (D + 2));
+    float *ob = sb;  // the scores are spent: the outputs [16][D]
+    amx_outputs(vt, pb, ob, nk, D / 16, D);
+    for (int m = m0; m < m0 + mq; m++)
+        memcpy(parts[m / G] + (m % G) * (D + 2) + 2, ob + (m - m0) * D, D * sizeof(float));
+}
+
 // chunk_partials (attention_chunk.h's contract of arguments; numerics above). scratch:
-// chunk_scratch_amx_bytes. Tiles (64 bytes wide; 0-5 with the query tile's rows, 6-7 16):
-// 0-3 four C tiles (four key
-// blocks of scores, or four 16-wide slices of the outputs) so that four multiplies are in
-// flight, 4 the A tile (queries or p), 6-7 the B tiles (keys or values).
+// chunk_scratch_amx_bytes. Up to AMX_FEW_QUERIES queries the transposed form, else the
+// many-query form one tile of 16 queries at a time.
 static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stride, int R,
                                  const int *n_row, const int32_t *table, int64_t g, int64_t j0,
                                  float *const *parts, void *scratch, const next_t *next,
                                  const int BF) {
-    const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1];
-    const int nk = (n + 31) / 32 * 32, nkb = nk / 16, ns = D / 32, nd = D / 16;
+    const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1], nk = (n + 31) / 32 * 32;
     const void **kp = (const void **)scratch, **vp = kp + CHUNK;
     char *base = (char *)(vp + CHUNK);
     uint32_t *kr = (uint32_t *)base, *kt = kr + CHUNK * D / 2, *vt = kt + CHUNK * D / 2;
@@ -306,61 +372,12 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
     // 109 ms against 107; prefill level either way); the hardware's streamer follows a
     // block's contiguous slots.
     (void)next;
-    if (few) {
+    if (few)
         chunk_few_queries(a, q, q_stride, g, M, n_row, nk, kr, kt, vt, qb, pb, sb, srow, parts);
-        TILE_RELEASE();
-        return;
-    }
-    for (int m0 = 0; m0 < M; m0 += TILE_ROWS) {
-        const int mq = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
-        for (int i = 0; i < mq; i++) {  // query m0 + i: row (m0+i) / G, head g * G + (m0+i) % G
-            const int m = m0 + i;
-            const float *qr = q + (m / G) * q_stride + (g * G + m % G) * D;
-            for (int d = 0; d < D; d += 32) to_bf16_32(qr + d, qb + i * D + d);
-        }
-        const uint8_t r = (uint8_t)mq, rows[8] = {r, r, r, r, r, r, 16, 16};
-        const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
-        tile_config_shapes(rows, colsb);
-        // Scores: the key blocks c < nkb (at most 4), each summed over d in order.
-#define IF_C(C, ...) if ((C) < nc) __VA_ARGS__
-#define SCORE(C, BT) IF_C(C, { TILE_LOAD(BT, kt + (s * nkb + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
-        {
-            const int nc = nkb;
-            IF_C(0, TILE_ZERO(0)); IF_C(1, TILE_ZERO(1)); IF_C(2, TILE_ZERO(2)); IF_C(3, TILE_ZERO(3));
-            for (int s = 0; s < ns; s++) {
-                TILE_LOAD(4, qb + s * 32, D * 2);
-                SCORE(0, 6); SCORE(1, 7); SCORE(2, 6); SCORE(3, 7);
-            }
-            IF_C(0, TILE_STORE(0, sb, CHUNK * 4)); IF_C(1, TILE_STORE(1, sb + 16, CHUNK * 4));
-            IF_C(2, TILE_STORE(2, sb + 32, CHUNK * 4)); IF_C(3, TILE_STORE(3, sb + 48, CHUNK * 4));
-        }
-#undef SCORE
-        for (int i = 0; i < mq; i++) {
-            const int m = m0 + i;
-            softmax_row(sb + i * CHUNK, n_row[m / G], nk, a->scale, pb + i * CHUNK,
-                        parts[m / G] + (m % G) * (D + 2));
-        }
-        // Outputs: four 16-wide slices of d at a time, each summed over the keys in order.
-        float *ob = sb;  // the scores are spent: the outputs [16][D]
-#define WSUM(C, BT) IF_C(C, { TILE_LOAD(BT, vt + (t * nd + db + C) * 256, 64); TILE_DPBF16(C, 4, BT); })
-        for (int db = 0; db < nd; db += 4) {
-            const int nc = nd - db < 4 ? nd - db : 4;
-            IF_C(0, TILE_ZERO(0)); IF_C(1, TILE_ZERO(1)); IF_C(2, TILE_ZERO(2)); IF_C(3, TILE_ZERO(3));
-            for (int t = 0; t < nk / 32; t++) {
-                TILE_LOAD(4, pb + t * 32, CHUNK * 2);
-                WSUM(0, 6); WSUM(1, 7); WSUM(2, 6); WSUM(3, 7);
-            }
-            float *o = ob + db * 16;
-            IF_C(0, TILE_STORE(0, o, D * 4)); IF_C(1, TILE_STORE(1, o + 16, D * 4));
-            IF_C(2, TILE_STORE(2, o + 32, D * 4)); IF_C(3, TILE_STORE(3, o + 48, D * 4));
-        }
-#undef WSUM
-#undef IF_C
-        for (int i = 0; i < mq; i++) {
-            const int m = m0 + i;
-            memcpy(parts[m / G] + (m % G) * (D + 2) + 2, ob + i * D, D * sizeof(float));
-        }
-    }
+    else
+        for (int m0 = 0; m0 < M; m0 += TILE_ROWS)
+            amx_query_tile(a, q, q_stride, g, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, n_row,
+                           nk, kt, vt, qb, pb, sb, parts);
     TILE_RELEASE();
 }
 

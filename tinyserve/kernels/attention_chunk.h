@@ -1,11 +1,13 @@
 // One chunk of attention.c's block-table attention: the partial (score maximum, exp-sum,
 // weighted value sum) of up to CHUNK keys for the rows of a group and the G query heads of
-// one KV head, with the next chunk's cache lines prefetched meanwhile. Included by
-// attention.c only (its CHUNK and GROUP come first); see it for the layout and the rules.
+// one KV head, with the next chunk's cache lines prefetched meanwhile. A header of
+// attention.c's (and attention_amx.h's); see attention.c for the layout and the rules.
 #ifndef TINYSERVE_ATTENTION_CHUNK_H
 #define TINYSERVE_ATTENTION_CHUNK_H
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <math.h>
+
+#define CHUNK 64  // keys per chunk
 
 // Lane i = hsum of a[i]: the 8 dot products of a key group as one vector.
 INLINE __m256 hsum8x8(const __m256 a[8]) {
@@ -114,6 +116,13 @@ INLINE void slot_ptrs(const attn_t *a, const int32_t *table, int64_t g, int64_t 
     }
 }
 
+// The next chunk's cache lines as this chunk's passes prefetch them: its keys' slots kp and
+// values' vp, n keys (0: no next chunk) of lpr lines each, per lines a pass, from line at.
+typedef struct {
+    const void **kp, **vp;
+    int n, lpr, per, at;
+} next_lines_t;
+
 // Prefetch lines [*at, *at + count) of the next chunk (its keys' lines, then its values'):
 // lpr lines per key, n keys.
 INLINE void prefetch_next(const void *const *nkp, const void *const *nvp, int n, int lpr,
@@ -122,6 +131,79 @@ INLINE void prefetch_next(const void *const *nkp, const void *const *nvp, int n,
     for (; *at < end; ++*at) {
         const int l = *at < half ? *at : *at - half;  // line l % lpr of key l / lpr
         _mm_prefetch((const char *)(*at < half ? nkp : nvp)[l / lpr] + 64 * (l % lpr), _MM_HINT_T1);
+    }
+}
+
+// One pass's share of the next chunk's lines (none without a next chunk).
+INLINE void prefetch_pass(next_lines_t *nl) {
+    if (nl->n) prefetch_next(nl->kp, nl->vp, nl->n, nl->lpr, &nl->at, nl->per);
+}
+
+// Scores of M queries qs[m] into ps[m] against keys 0 .. n-1 (padded to a multiple of 8).
+// The first query alone: its pass streams the keys in from memory, its loads not held back
+// by other queries' FMAs (1-3 rows: ~1.1x); the rest QB at a time from cache.
+INLINE void chunk_scores(const void *const *kp, const float *const *qs, float *const *ps,
+                         int M, int n, int D, __m256 scale, next_lines_t *nl, const int BF) {
+    for (int i0 = 0; i0 < n; i0 += 8) scores8(kp, i0, qs, D, scale, ps, 1, BF);
+    for (int i0 = 0; i0 < n; i0 += 8)
+        for (int m0 = 1; m0 < M; m0 += QB) {
+#define SCORES(NQ) scores8(kp, i0, qs + m0, D, scale, ps + m0, NQ, BF)
+            BY_NQ(SCORES, M - m0 < QB ? M - m0 : QB, QB);
+#undef SCORES
+            prefetch_pass(nl);
+        }
+}
+
+// One query's softmax over its own nr keys of the chunk's n: ph its scores, then exp(s - m),
+// and zeros after them up to n, so that a value pass may run to n for every query it
+// serves; out[0] = the maximum m, out[1] = the sum l.
+INLINE void softmax_query(float *ph, int nr, int n, float *out) {
+    const int last = (nr - 1) / 8 * 8;
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(nr - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int i0 = 0; i0 < nr; i0 += 8) {
+        __m256 s = _mm256_loadu_ps(ph + i0);
+        if (i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
+        mx = _mm256_max_ps(mx, s);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    out[0] = _mm_cvtss_f32(m4);
+    const __m256 mv = _mm256_set1_ps(out[0]);
+    __m256 sum = _mm256_setzero_ps();
+    for (int i0 = 0; i0 < nr; i0 += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
+        if (i0 == last) e = _mm256_and_ps(e, keep);
+        _mm256_storeu_ps(ph + i0, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    for (int i = last + 8; i < n; i++) ph[i] = 0.0f;
+    out[1] = hsum8(sum);
+}
+
+// The weighted sums of the values into os[m] for M queries (query m: row m / G, whose keys
+// are n_row[m / G]): the first query alone, as chunk_scores, then QV at a time.
+INLINE void chunk_values(const void *const *vp, float *const *ps, float *const *os,
+                         const int *n_row, int G, int M, int D, next_lines_t *nl, const int BF) {
+    for (int m0 = 0; m0 < M; m0 += m0 ? QV : 1) {
+        const int nq = m0 == 0 ? 1 : M - m0 < QV ? M - m0 : QV;
+        const int nm = n_row[(m0 + nq - 1) / G];  // the last query's keys: the most
+        const float *const *pq = (const float *const *)ps + m0;
+        int64_t d0 = 0;
+#define WSUM(NQ) weighted_sums(vp, pq, nm, d0, os + m0, NQ, NV, BF)
+#define NV 8
+        for (; d0 + 64 <= D; d0 += 64) BY_NQ(WSUM, nq, QV);
+#undef NV
+#define NV 4
+        for (; d0 + 32 <= D; d0 += 32) BY_NQ(WSUM, nq, QV);
+#undef NV
+#define NV 1
+        for (; d0 < D; d0 += 8) BY_NQ(WSUM, nq, QV);
+#undef NV
+#undef WSUM
+        prefetch_pass(nl);
     }
 }
 
@@ -148,73 +230,19 @@ INLINE void chunk_partials_t(const attn_t *a, const float *q, int64_t q_stride, 
     const int nn = next ? next->n : 0, lpr = (int)((D * esize + 63) / 64);
     if (nn) slot_ptrs(a, next->table, next->g, next->j0, nn, nkp, nvp, esize);
     const int units = (n + 7) / 8 * ((M - 1 + QB - 1) / QB) + 1 + (M - 1 + QV - 1) / QV;
-    const int per = (2 * nn * lpr + units - 1) / units;
-    int pf_at = 0;
+    next_lines_t nl = {nkp, nvp, nn, lpr, (2 * nn * lpr + units - 1) / units, 0};
     for (int i = n; i < (n + 7) / 8 * 8; i++) kp[i] = kp[n - 1];  // padding lanes: masked below
     for (int m = 0; m < M; m++) {
         qs[m] = q + (m / G) * q_stride + (g * G + m % G) * D;
         ps[m] = p + (int64_t)m * CHUNK;
         os[m] = parts[m / G] + (m % G) * (D + 2) + 2;
     }
-    const __m256 scale = _mm256_set1_ps(a->scale);
-    // Scores of every query against every key some row of the group sees. The first query
-    // alone: its pass streams the keys in from memory, its loads not held back by other
-    // queries' FMAs (1-3 rows: ~1.1x); the rest QB at a time from cache.
-    for (int i0 = 0; i0 < n; i0 += 8) scores8(kp, i0, qs, D, scale, ps, 1, BF);
-    for (int i0 = 0; i0 < n; i0 += 8)
-        for (int m0 = 1; m0 < M; m0 += QB) {
-#define SCORES(NQ) scores8(kp, i0, qs + m0, D, scale, ps + m0, NQ, BF)
-            BY_NQ(SCORES, M - m0 < QB ? M - m0 : QB, QB);
-#undef SCORES
-            if (nn) prefetch_next(nkp, nvp, nn, lpr, &pf_at, per);
-        }
-    // Per query, over its own keys: the maximum, exp(s - m) and their sum; zeros after them
-    // up to n, so that a value pass may run to n for every query it serves.
-    for (int m = 0; m < M; m++) {
-        const int nr = n_row[m / G], last = (nr - 1) / 8 * 8;
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-            _mm256_set1_epi32(nr - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        float *ph = ps[m], *out = parts[m / G] + (m % G) * (D + 2);
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        for (int i0 = 0; i0 < nr; i0 += 8) {
-            __m256 s = _mm256_loadu_ps(ph + i0);
-            if (i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
-            mx = _mm256_max_ps(mx, s);
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        out[0] = _mm_cvtss_f32(m4);
-        const __m256 mv = _mm256_set1_ps(out[0]);
-        __m256 sum = _mm256_setzero_ps();
-        for (int i0 = 0; i0 < nr; i0 += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
-            if (i0 == last) e = _mm256_and_ps(e, keep);
-            _mm256_storeu_ps(ph + i0, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        for (int i = last + 8; i < n; i++) ph[i] = 0.0f;
-        out[1] = hsum8(sum);
-    }
-    // The weighted sums of the values: the first query alone, as above, then QV at a time.
-    for (int m0 = 0; m0 < M; m0 += m0 ? QV : 1) {
-        const int nq = m0 == 0 ? 1 : M - m0 < QV ? M - m0 : QV;
-        const int nm = n_row[(m0 + nq - 1) / G];  // the last query's keys: the most
-        const float *const *pq = (const float *const *)ps + m0;
-        int64_t d0 = 0;
-#define WSUM(NQ) weighted_sums(vp, pq, nm, d0, os + m0, NQ, NV, BF)
-#define NV 8
-        for (; d0 + 64 <= D; d0 += 64) BY_NQ(WSUM, nq, QV);
-#undef NV
-#define NV 4
-        for (; d0 + 32 <= D; d0 += 32) BY_NQ(WSUM, nq, QV);
-#undef NV
-#define NV 1
-        for (; d0 < D; d0 += 8) BY_NQ(WSUM, nq, QV);
-#undef NV
-#undef WSUM
-        if (nn) prefetch_next(nkp, nvp, nn, lpr, &pf_at, per);
-    }
+    // Scores of every query against every key some row of the group sees, then per query
+    // over its own keys the softmax, then the values.
+    chunk_scores(kp, qs, ps, M, n, D, _mm256_set1_ps(a->scale), &nl, BF);
+    for (int m = 0; m < M; m++)
+        softmax_query(ps[m], n_row[m / G], n, parts[m / G] + (m % G) * (D + 2));
+    chunk_values(vp, ps, os, n_row, G, M, D, &nl, BF);
 }
 
 static void chunk_partials(const attn_t *a, const float *q, int64_t q_stride, int R,

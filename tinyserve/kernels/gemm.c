@@ -21,49 +21,13 @@
 // with the codes q converted to float exactly, the scale once per block of 32 products.
 // Tiling only decides which (output group, row) pairs share a converted vector of codes and
 // a broadcast x; T goes through y between blocks, which does not change its value.
-#include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
-#include <string.h>
-
-typedef struct {
-    int kind;
-    const void *qs;
-    const float *d, *m;
-    int64_t K, N, nb;
-} weight_t;
+#include "gemm_common.h"  // weight_t, act_t, the codes, prefetch_block (+ simd.h, string.h)
+#include "gemm_bf16.h"    // the bf16-activation tiles (vdpbf16ps), BF16_ACT
+#include "gemm_amx.h"     // the same on AMX tiles, bf16_path_rows / _activations, XB_ROWS
 
 // The layout this file reads (bench_kernels.py times older revisions beside it) and its GW.
 int gemm_layout(void) { return 1; }
 int gemm_group_width(void) { return GW; }
-
-INLINE float block_sum(const float *x) {
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                             _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
-    return hsum8(s);
-}
-
-// Step p (0..15) of block b of group g, Q4_1: the codes of weights p (lo) and p + 16 (hi).
-INLINE void q4_codes(const weight_t *w, int64_t g, int64_t b, int p, vf *lo, vf *hi) {
-    const uint8_t *q = (const uint8_t *)w->qs + ((g * w->nb + b) * 16 + p) * GW;
-#ifdef __AVX512F__
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-#else
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-#endif
-}
-
-// Weight j (0..31) of block b of group g, Q8_0.
-INLINE vf q8_codes(const weight_t *w, int64_t g, int64_t b, int j) {
-    const int8_t *q = (const int8_t *)w->qs + ((g * w->nb + b) * 32 + j) * GW;
-#ifdef __AVX512F__
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
-#endif
-}
 
 // End of block b for a partial sum S: T (in y) takes the scale and (Q4_1) min x sum of x.
 INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, float *yt) {
@@ -73,24 +37,6 @@ INLINE void block_end(const weight_t *w, int64_t g, int64_t b, vf S, float sx, f
     if (w->kind == 0) t = VFMA(VLOAD(w->m + o), VSET1(sx), t);
     VSTORE(yt, t);
 }
-
-// Prefetch block b of the NT groups at ga (codes, scales, minima) while an earlier tile
-// computes. L2: prefetcht1, for the memory-bound tiles (1-2 rows; bf16 up to 6), and 1-2 rows
-// prefetch 1 tile ahead, not 2: a 1-row step's matmuls 1.26-1.40x, then 1.01-1.06x (Zen 4,
-// benchmarks/README.md; likely as an L1 prefetch holds one of the few L1 miss buffers).
-INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b, const int L2) {
-    const int64_t cb = (w->kind == 0 ? 16 : 32) * GW;  // code bytes of a group's block
-    for (int i = 0; i < NT; i++) {
-        const char *q = (const char *)w->qs + ((ga + i) * w->nb + b) * cb;
-        for (int64_t off = 0; off < cb; off += 64) prefetch_line(q + off, L2);
-        if ((b * GW * 4) % 64 == 0) {  // a cache line of scales (and minima) per 64 bytes
-            prefetch_line(w->d + ((ga + i) * w->nb + b) * GW, L2);
-            if (w->kind == 0) prefetch_line(w->m + ((ga + i) * w->nb + b) * GW, L2);
-        }
-    }
-}
-
-#define PF_TILES(MT) ((MT) <= 2 ? 1 : 2)  // how many tiles ahead the few-row tiles prefetch
 
 // Few rows (decode, a verification run): MT rows x NT groups straight from the codes, each
 // converted vector used by all MT rows. x rows at ldx, sx [MT, nb], y: the tile's first output
@@ -216,7 +162,6 @@ INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x
 
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
 #define FEW_ROWS (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)  // AVX2: 9-16 rows as two halves (1.2-1.5x)
-#define PANEL 128    // many rows: row panels whose x stays in L2
 
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output; full groups only).
 static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
@@ -241,10 +186,13 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
     }
 }
 
-// Quantised weights: rows [0, M) x groups [g0, g1) into y (group g0's first output); buf:
-// this thread's [2, K, GW] floats. The tile shapes per row count were measured.
-INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const float *sx,
-                       float *buf, int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
+// Few rows (up to FEW_ROWS): rows [0, M) x groups [g0, g1) into y (group g0's first output)
+// in tiles straight from the codes; AVX2 cuts 9-16 rows into two halves. The tile shapes per
+// row count were measured (benchmarks/README.md, "AVX-512", "Few-row tiles on Zen 3"): 16
+// lanes, 2 groups at every row count; AVX2, Zen 3: 4-6 rows x 2 groups codes first
+// (1.07-1.37x 1 group).
+INLINE void codes_rows_few(const weight_t *w, const float *x, int64_t ldx, const float *sx,
+                           int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
     const int64_t nb = w->nb;
 #define CODES_CASE(MT, NT, TREG, CF)                                                           \
     case MT: {                                                                               \
@@ -259,45 +207,54 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
             tile_codes(w, g, 1, 0, xr, ldx, sr, MT, yr + (g - g0) * GW, ldy, TREG, 0);        \
         break;                                                                               \
     }
-    // Measured (benchmarks/README.md, "AVX-512", "Few-row tiles on Zen 3"): 16 lanes, 2 groups
-    // at every row count; AVX2, Zen 3: 4-6 rows x 2 groups codes first (1.07-1.37x 1 group).
-    if (M <= FEW_ROWS) {
-        for (int r0 = 0, mh; r0 < M; r0 += mh) {
-            mh = M <= MAX_ROWS ? M : r0 ? M - r0 : (M + 1) / 2;
-            const float *xr = x + (int64_t)r0 * ldx, *sr = w->kind ? sx : sx + (int64_t)r0 * nb;
-            float *yr = y + (int64_t)r0 * ldy;
-            switch (mh) {
+    for (int r0 = 0, mh; r0 < M; r0 += mh) {
+        mh = M <= MAX_ROWS ? M : r0 ? M - r0 : (M + 1) / 2;
+        const float *xr = x + (int64_t)r0 * ldx, *sr = w->kind ? sx : sx + (int64_t)r0 * nb;
+        float *yr = y + (int64_t)r0 * ldy;
+        switch (mh) {
 #if GW == 16
-            CODES_CASE(1, 2, 1, 0) CODES_CASE(2, 2, 1, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 1, 0)
-            CODES_CASE(5, 2, 1, 0) CODES_CASE(6, 2, 1, 0) CODES_CASE(7, 2, 0, 0) CODES_CASE(8, 2, 0, 0)
+        CODES_CASE(1, 2, 1, 0) CODES_CASE(2, 2, 1, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 1, 0)
+        CODES_CASE(5, 2, 1, 0) CODES_CASE(6, 2, 1, 0) CODES_CASE(7, 2, 0, 0) CODES_CASE(8, 2, 0, 0)
 #else
-            CODES_CASE(1, 4, 1, 0) CODES_CASE(2, 4, 0, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 0, 1)
-            CODES_CASE(5, 2, 0, 1) CODES_CASE(6, 2, 0, 1) CODES_CASE(7, 1, 0, 0) CODES_CASE(8, 1, 0, 0)
+        CODES_CASE(1, 4, 1, 0) CODES_CASE(2, 4, 0, 0) CODES_CASE(3, 2, 1, 0) CODES_CASE(4, 2, 0, 1)
+        CODES_CASE(5, 2, 0, 1) CODES_CASE(6, 2, 0, 1) CODES_CASE(7, 1, 0, 0) CODES_CASE(8, 1, 0, 0)
 #endif
-            default: break;
-            }
+        default: break;
         }
-        return;
     }
 #undef CODES_CASE
+}
+
+// The codes of groups g .. g+NB-1 as floats into buf [NB, K, GW], in the contract's order
+// (Q4_1: weights p, p + 16, p + 1, ...; tile_buffered reads them so).
+INLINE void buffer_codes(const weight_t *w, int64_t g, int NB, float *buf) {
+    for (int i = 0; i < NB; i++)
+        for (int64_t b = 0; b < w->nb; b++) {
+            float *o = buf + (i * w->K + b * 32) * GW;
+            if (w->kind == 0) {
+                for (int p = 0; p < 16; p++) {
+                    vf lo, hi;
+                    q4_codes(w, g + i, b, p, &lo, &hi);
+                    VSTOREA(o + (2 * p) * GW, lo);
+                    VSTOREA(o + (2 * p + 1) * GW, hi);
+                }
+            } else {
+                for (int j = 0; j < 32; j++) VSTOREA(o + j * GW, q8_codes(w, g + i, b, j));
+            }
+        }
+}
+
+// Many rows: per row panel, each pair of groups' codes converted once into buf (this
+// thread's [2, K, GW] floats), then tiles of up to MTB rows over them.
+INLINE void codes_rows_buffered(const weight_t *w, const float *x, int64_t ldx, const float *sx,
+                                float *buf, int M, float *y, int64_t ldy, int64_t g0,
+                                int64_t g1) {
+    const int64_t nb = w->nb;
     for (int p0 = 0; p0 < M; p0 += PANEL) {
         const int pm = M - p0 < PANEL ? M - p0 : PANEL;
         for (int64_t g = g0; g < g1; g += 2) {
             const int NB = g + 2 <= g1 ? 2 : 1;
-            for (int i = 0; i < NB; i++)
-                for (int64_t b = 0; b < nb; b++) {
-                    float *o = buf + (i * w->K + b * 32) * GW;
-                    if (w->kind == 0) {
-                        for (int p = 0; p < 16; p++) {
-                            vf lo, hi;
-                            q4_codes(w, g + i, b, p, &lo, &hi);
-                            VSTOREA(o + (2 * p) * GW, lo);
-                            VSTOREA(o + (2 * p + 1) * GW, hi);
-                        }
-                    } else {
-                        for (int j = 0; j < 32; j++) VSTOREA(o + j * GW, q8_codes(w, g + i, b, j));
-                    }
-                }
+            buffer_codes(w, g, NB, buf);
             for (int r = p0; r < p0 + pm; r += MTB) {
                 const int mt = p0 + pm - r < MTB ? p0 + pm - r : MTB;
                 const float *xr = x + (int64_t)r * ldx, *sr = sx + (int64_t)r * nb;
@@ -316,17 +273,13 @@ INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const flo
     }
 }
 
-// One call's activations: x rows at ldx, their Q4_1 block sums sx, computed once; bf16 mode
-// (gemm_bf16.h, gemm_amx.h): xb [XB_ROWS(M), ldxb] the rows as bf16 pairs, sx their sums.
-typedef struct {
-    const float *x, *sx;
-    int64_t ldx;
-    int M;
-    const uint32_t *xb;  // [XB_ROWS(M), ldxb]
-    int64_t ldxb;
-} act_t;
-#include "gemm_bf16.h"
-#include "gemm_amx.h"
+// Quantised weights: rows [0, M) x groups [g0, g1) into y (group g0's first output); buf:
+// this thread's [2, K, GW] floats (many rows only).
+INLINE void codes_rows(const weight_t *w, const float *x, int64_t ldx, const float *sx,
+                       float *buf, int M, float *y, int64_t ldy, int64_t g0, int64_t g1) {
+    if (M <= FEW_ROWS) codes_rows_few(w, x, ldx, sx, M, y, ldy, g0, g1);
+    else codes_rows_buffered(w, x, ldx, sx, buf, M, y, ldy, g0, g1);
+}
 
 // One specialised copy per weight kind (the kind branch folds away inside each).
 #define ROWS_OF_KIND(name, KIND)                                                            \

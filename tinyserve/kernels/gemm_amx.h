@@ -1,4 +1,4 @@
-// gemm.c's bf16-activation path on AMX (included by gemm.c after gemm_bf16.h; built at the
+// gemm.c's bf16-activation path on AMX (a header of gemm.c's, over gemm_bf16.h; built at the
 // ISA level "amx", or with -DTINYSERVE_AMX_EMULATE on any CPU through amx_tile.h's scalar
 // tiles): Q4_1 / Q8_0 blocks times activations rounded to bf16, one block of 32 per
 // TDPBF16PS — a 16-row x GW-output tile, 8x the multiply rate of vdpbf16ps per core.
@@ -14,6 +14,11 @@
 // (amx_tile.h: te / to are TDPBF16PS's two chains; the tile is zeroed per block because the
 // scale d_b multiplies one block's sum.) A row's result depends on its own A row only, so
 // a tile with 1..16 valid rows gives each the bits a full one does.
+#ifndef TINYSERVE_GEMM_AMX_H
+#define TINYSERVE_GEMM_AMX_H
+#include "gemm_bf16.h"  // code_pairs, bf16_bits, bf16_activations (+ gemm_common.h)
+#include <string.h>
+
 #if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
 #include "amx_tile.h"
 
@@ -170,4 +175,6 @@ int amx_emulated(void) { return 0; }
 #define amx_ready() 1
 #define bf16_path_rows bf16_rows
 #define bf16_path_activations bf16_activations
+#endif
+
 #endif

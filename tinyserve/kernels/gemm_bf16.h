@@ -1,4 +1,4 @@
-// gemm.c's bf16-activation path (included by gemm.c, after its tiles): Q4_1 / Q8_0 weights
+// gemm.c's bf16-activation path (a header of gemm.c's, over gemm_common.h): Q4_1 / Q8_0 weights
 // times activations rounded to bf16, on AVX512-BF16's vdpbf16ps (two products per lane per
 // instruction: twice the multiply rate of the float tiles, where many rows make the matmul
 // compute-bound). Asked for by gemm's kind | BF16_ACT; built only under __AVX512BF16__.
@@ -10,6 +10,11 @@
 //   T = 0; per block b in order: S = 0; for p = 0..15: S = dpbf16(S, (q_p, q_p+16),
 //   (xr_p, xr_p+16)); T = fma(d_b, S, T); Q4_1: T = fma(m_b, sxr_b, T)
 // with xr = bf16(x) and sxr_b = block_sum of block b's xr.
+#ifndef TINYSERVE_GEMM_BF16_H
+#define TINYSERVE_GEMM_BF16_H
+#include "gemm_common.h"  // weight_t, act_t, q8_codes, block_sum, prefetch_block, PANEL
+#include <string.h>
+
 #define BF16_ACT 16  // the flag in gemm's kind argument
 // Up to this many rows each row tile converts the codes itself (since the table lookup, as
 // cheap as reading them back from a buffer); more: converted once per panel. Zen 4, against
@@ -192,4 +197,6 @@ static void bf16_activations(const float *x, int64_t ldx, int M, int64_t K, int 
             if (kind == 0) sx[r * nb + b] = block_sum(xr);
         }
 }
+#endif
+
 #endif

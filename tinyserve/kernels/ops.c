@@ -130,60 +130,75 @@ static void topk_insert(float *bv, int32_t *bi, int k, int *n, float v, int32_t 
     bv[j] = v, bi[j] = id;
 }
 
+// The first pass over a row x [V] whose target's logit is xt: the maximum *m, how many
+// logits exceed xt (*count) and the top k (bv / bi, the best first).
+INLINE void logprob_scan(const float *x, int64_t V, float xt, int k, float *bv, int32_t *bi,
+                         float *m_out, int64_t *count_out) {
+    int n = 0;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    __m256i cnt = _mm256_setzero_si256();
+    const __m256 tv = _mm256_set1_ps(xt);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        mx = _mm256_max_ps(mx, v);
+        cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
+        if (k > 0) {  // only lanes over the current k-th best are looked at
+            const float thr = n < k ? -INFINITY : bv[k - 1];
+            int bits = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ));
+            while (bits) {
+                const int l = __builtin_ctz(bits);
+                bits &= bits - 1;
+                if (n < k || x[i + l] > bv[k - 1]) topk_insert(bv, bi, k, &n, x[i + l], (int32_t)(i + l));
+            }
+        }
+    }
+    int32_t c[8];
+    _mm256_storeu_si256((__m256i *)c, cnt);
+    int64_t count = c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+    float m = -INFINITY;
+    {
+        float t[8];
+        _mm256_storeu_ps(t, mx);
+        for (int l = 0; l < 8; l++) m = t[l] > m ? t[l] : m;
+    }
+    for (; i < V; i++) {
+        m = x[i] > m ? x[i] : m;
+        count += x[i] > xt;
+        if (k > 0 && (n < k || x[i] > bv[k - 1])) topk_insert(bv, bi, k, &n, x[i], (int32_t)i);
+    }
+    *m_out = m, *count_out = count;
+}
+
+// The second pass: log(sum exp(x - m)) of a row x [V] whose maximum is m. The sum in double
+// (49,152 terms in float lose ~1e-5 of the log): exp in float.
+INLINE float logprob_lse(const float *x, int64_t V, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int64_t i;
+    for (i = 0; i + 8 <= V; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double d[4], sum = 0.0;
+    _mm256_storeu_pd(d, _mm256_add_pd(s0, s1));
+    sum = (d[0] + d[1]) + (d[2] + d[3]);
+    for (; i < V; i++) sum += exp((double)x[i] - m);
+    return (float)log(sum);
+}
+
 void logprob_rows(const float *logits, int64_t rows, int64_t V, const int64_t *targets, int k,
                   float *lp, int32_t *rank, int32_t *top_ids, float *top_lp, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * V;
         const float xt = x[targets[r]];
-        float bv[LOGPROB_MAX_K];
+        float bv[LOGPROB_MAX_K], m;
         int32_t bi[LOGPROB_MAX_K];
-        int n = 0;
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        __m256i cnt = _mm256_setzero_si256();
-        const __m256 tv = _mm256_set1_ps(xt);
-        int64_t i = 0;
-        for (; i + 8 <= V; i += 8) {
-            const __m256 v = _mm256_loadu_ps(x + i);
-            mx = _mm256_max_ps(mx, v);
-            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
-            if (k > 0) {  // only lanes over the current k-th best are looked at
-                const float thr = n < k ? -INFINITY : bv[k - 1];
-                int bits = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ));
-                while (bits) {
-                    const int l = __builtin_ctz(bits);
-                    bits &= bits - 1;
-                    if (n < k || x[i + l] > bv[k - 1]) topk_insert(bv, bi, k, &n, x[i + l], (int32_t)(i + l));
-                }
-            }
-        }
-        int32_t c[8];
-        _mm256_storeu_si256((__m256i *)c, cnt);
-        int64_t count = c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
-        float m = -INFINITY;
-        {
-            float t[8];
-            _mm256_storeu_ps(t, mx);
-            for (int l = 0; l < 8; l++) m = t[l] > m ? t[l] : m;
-        }
-        for (; i < V; i++) {
-            m = x[i] > m ? x[i] : m;
-            count += x[i] > xt;
-            if (k > 0 && (n < k || x[i] > bv[k - 1])) topk_insert(bv, bi, k, &n, x[i], (int32_t)i);
-        }
-        // The sum in double (49,152 terms in float lose ~1e-5 of the log): exp in float.
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-        for (i = 0; i + 8 <= V; i += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
-            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-        }
-        double d[4], sum = 0.0;
-        _mm256_storeu_pd(d, _mm256_add_pd(s0, s1));
-        sum = (d[0] + d[1]) + (d[2] + d[3]);
-        for (; i < V; i++) sum += exp((double)x[i] - m);
-        const float lse = (float)log(sum);
+        int64_t count;
+        logprob_scan(x, V, xt, k, bv, bi, &m, &count);
+        const float lse = logprob_lse(x, V, m);
         lp[r] = (xt - m) - lse;
         rank[r] = (int32_t)count + 1;
         for (int j = 0; j < k; j++) {

@@ -26,6 +26,12 @@ class StructuredOutputsParams:
     grammar: str | None = None  # Lark / EBNF, as the grammar library reads it
     json_object: bool | None = None
     field: str = "structured_outputs"  # the request field it came from, for error messages
+    # The grammar starts after the thinking block closes with this token (structured/
+    # thinking.py); think_start_id may open one at the first token; thinking_open: the
+    # prompt already did. None: the grammar applies from the first token.
+    think_end_id: int | None = None
+    think_start_id: int | None = None
+    thinking_open: bool = False
 
     def __post_init__(self) -> None:
         modes = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

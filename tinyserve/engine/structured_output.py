@@ -127,6 +127,13 @@ class StructuredOutputManager:
             return
         for req in children:
             req.grammar = self._backend.matcher(compiled)
+            so = req.sampling_params.structured_outputs
+            if so is not None and so.think_end_id is not None:
+                from tinyserve.structured.thinking import ThinkingGate
+
+                req.grammar = ThinkingGate(
+                    req.grammar, so.think_start_id, so.think_end_id, so.thinking_open
+                )
 
     def fill_bitmask(self, sched: SchedulerOutput) -> None:
         """One allowed-token bitmask row per constrained request that samples this step, and

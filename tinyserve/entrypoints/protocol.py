@@ -36,14 +36,6 @@ def _check_unicode(value: Any) -> None:
             _check_unicode(v)
 
 
-# apply_chat_template's own parameters: the server sets them, chat_template_kwargs may not.
-TEMPLATE_OWN_ARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
-    "chat_template", "continue_final_message", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors",
-})  # fmt: skip
-
-
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -251,14 +243,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template, e.g. enable_thinking"
     )
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(v or {}) & TEMPLATE_OWN_ARGS)
-        if taken:
-            raise ValueError(f"chat_template_kwargs: {taken[0]!r} is set by the server")
-        return v
 
 
 class ChatLogprobTop(BaseModel):

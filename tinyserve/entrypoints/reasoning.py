@@ -28,6 +28,14 @@ THINK_START, THINK_END = "<think>", "</think>"
 PARSERS = ("auto", "think", "none")
 
 
+def thinks(parser: str, tokenizer, template_kwargs: dict | None) -> bool:
+    """Whether a chat answer's <think> block is split off: ``parser`` (--reasoning-parser)
+    allows it and the request did not turn thinking off."""
+    if parser == "none" or (template_kwargs or {}).get("enable_thinking") is False:
+        return False
+    return parser == "think" or template_thinks(tokenizer)
+
+
 def template_thinks(tokenizer) -> bool:
     """Whether the tokenizer's chat template writes or expects a ``<think>`` block."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -95,6 +103,19 @@ def split_reasoning(text: str, thinking: bool = False) -> tuple[str | None, str 
     reasoning, content = r1 + r2, c1 + c2
     had_block = thinking or text.lstrip().startswith(THINK_START)
     return (reasoning if had_block else None), (content or None)
+
+
+def grammar_gate(tokenizer, opened: bool) -> dict | None:
+    """The StructuredOutputsParams fields that start a request's grammar after its thinking
+    block (structured/thinking.py): the single token ids of ``<think>`` and ``</think>``.
+    None where ``</think>`` is not one token: the grammar then holds from the first token
+    (and so leaves no room to think)."""
+    end = tokenizer.encode(THINK_END, add_special_tokens=False)
+    if len(end) != 1:
+        return None
+    start = tokenizer.encode(THINK_START, add_special_tokens=False)
+    return {"think_end_id": end[0], "think_start_id": start[0] if len(start) == 1 else None,
+            "thinking_open": opened}  # fmt: skip
 
 
 def _partial_tail(text: str, tag: str) -> int:

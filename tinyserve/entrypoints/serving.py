@@ -30,6 +30,7 @@ from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream,
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.chat_template import render_chat
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
 from tinyserve.entrypoints.streaming import (
@@ -182,41 +183,15 @@ class OpenAIServing:
 
     def chat_prompt_ids(
         self,
-        messages: list[P.ChatMessage],
-        add_generation_prompt: bool = True,
-        tools: list[T.Tool] | None = None,
-        tool_choice: T.ToolChoice | None = None,
-        template_kwargs: dict[str, Any] | None = None,
+        messages,
+        add_generation_prompt=True,
+        tools=None,
+        tool_choice=None,
+        template_kwargs=None,
     ) -> list[int]:
-        """Messages through the tokenizer's chat template (tools rendered by the template
-        when it knows them, else as tools.py writes them); ``template_kwargs``: the request's
-        ``chat_template_kwargs`` (``enable_thinking``), checked by the protocol."""
-        conversation = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "\n".join(part.text for part in content)
-            turn = {"role": m.role, "content": content or ""}
-            if getattr(m, "reasoning_content", None):  # an earlier answer's thinking
-                turn["reasoning_content"] = m.reasoning_content
-            conversation.append(turn)
-        kwargs: dict[str, Any] = dict(template_kwargs or {})
-        if tools and T.hermes_template(self.tokenizer):  # the template renders the tools
-            conversation = T.native_messages(conversation, messages)
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
-        else:
-            conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-            )
-        except OpenAIError:
-            raise
-        except Exception as e:  # the template rejected the conversation (jinja raise_exception)
-            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """The conversation through the tokenizer's chat template (chat_template.py)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools or [],
+                           tool_choice, template_kwargs)  # fmt: skip
 
     def sampling_params(
         self, req: P._SamplingFields, scores: bool = False, **extra: Any

@@ -5,6 +5,7 @@ shared steps are serving.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,9 @@ class ChatServing(OpenAIServing):
         )  # fmt: skip
         thinks = self.thinks(req.chat_template_kwargs)
         opened = thinks and R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
+        if thinks and so is not None:  # the grammar starts after the thinking block
+            gate = R.grammar_gate(self.tokenizer, opened)
+            params.structured_outputs = dataclasses.replace(so, **gate) if gate else so
         return ChatJob(
             f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),

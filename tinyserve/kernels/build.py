@@ -91,9 +91,9 @@ def _compile(source: Path, so_path: Path, flags: list[str]) -> None:
 
 
 def source_bytes(name: str, source_dir: Path | None = None) -> bytes:
-    """kernels/<name>.c and the headers beside it (simd.h, included by every kernel;
-    gemm_common.h, gemm_bf16.h, ...: every *.h), or those of ``source_dir`` (another revision's copy): what a build, or a
-    measurement of one, depends on."""
+    """kernels/<name>.c and every header beside it (simd.h, included by every kernel;
+    gemm_common.h, gemm_bf16.h, ...), or those of ``source_dir`` (another revision's copy):
+    what a build, or a measurement of one, depends on."""
     source = (source_dir or Path(__file__).parent) / f"{name}.c"
     return source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
 

@@ -1,0 +1,60 @@
+"""Messages -> prompt token ids through the tokenizer's chat template: content parts joined,
+an assistant turn's ``reasoning_content`` handed on, tools rendered by the template where it
+knows them (Hermes-style) or written by tools.py, and the request's ``chat_template_kwargs``
+(``enable_thinking``) passed as template variables — never over the arguments the server
+sets itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+
+# apply_chat_template's own parameters: the server sets them; chat_template_kwargs may not.
+TEMPLATE_OWN_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+    "chat_template", "continue_final_message", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors",
+})  # fmt: skip
+
+
+def render_chat(
+    tokenizer,
+    messages: list,
+    add_generation_prompt: bool = True,
+    tools: list[T.Tool] | None = None,
+    tool_choice: T.ToolChoice | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    taken = sorted(set(template_kwargs or {}) & TEMPLATE_OWN_ARGS)
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs: {taken[0]!r} is set by the server", "chat_template_kwargs"
+        )
+    conversation = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        turn = {"role": m.role, "content": content or ""}
+        if getattr(m, "reasoning_content", None):  # an earlier answer's thinking
+            turn["reasoning_content"] = m.reasoning_content
+        conversation.append(turn)
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if tools and T.hermes_template(tokenizer):  # the template renders the tools
+        conversation = T.native_messages(conversation, messages)
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    else:
+        conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
+    except OpenAIError:
+        raise
+    except Exception as e:  # the template rejected the conversation (jinja raise_exception)
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

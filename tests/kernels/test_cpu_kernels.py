@@ -27,9 +27,6 @@ from tinyserve.testing.paged_runner import PagedRunner, mixed_steps, random_page
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
 
-
-
-
 needs_kernel = pytest.mark.skipif(
     not gemm.available(), reason="needs an x86 CPU with AVX2/FMA/F16C and a C compiler"
 )
@@ -160,9 +157,6 @@ needs_two_levels = pytest.mark.skipif(
 )
 
 
-
-
-
 @pytest.fixture(scope="module")
 def every_level():
     """{(name, level): library} for gemm.c and qgemm.c at every ISA level this CPU runs,
@@ -255,9 +249,6 @@ def test_packed_method_sends_decode_rows_to_the_int8_kernel_and_prompt_rows_to_f
     assert torch.equal(layer(x, num_decode=6), gemm.matmul_q8(x, w))
     # A float weight has no integer kernel: the flag does not apply to it.
     assert PackedMethod(gemm.from_dense(torch.randn(8, 96)), int8_decode=True).name == "kernel-f32"
-
-
-
 
 
 @needs_kernel
@@ -412,6 +403,32 @@ def test_fused_residual_rms_norm_and_silu_and_mul_match_torch_row_by_row():
         assert torch.equal(ops.silu_and_mul(gate_up[i : i + 1].contiguous()), act[i : i + 1])
 
 
+@needs_ops
+def test_head_norm_matches_torch_per_head_and_leaves_v_alone():
+    """Qwen3's q/k norm (ops.c head_norm) on fused qkv rows: each q head with q's weight, each
+    k head with k's, within float32 rounding of a float64 reference; v untouched; rows
+    independent (batch invariance)."""
+    import torch.nn.functional as F
+
+    from tinyserve.kernels import ops
+
+    H, KVH, D, T = 4, 2, 32, 19
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=gen) * 3
+    qw, kw = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    got = qkv.clone()
+    ops.head_norm(got, qw, kw, H, KVH, 1e-6)
+    heads = qkv.double().view(T, H + 2 * KVH, D)
+    want = torch.cat([F.rms_norm(heads[:, :H], (D,), qw.double(), 1e-6),
+                      F.rms_norm(heads[:, H : H + KVH], (D,), kw.double(), 1e-6),
+                      heads[:, H + KVH :]], dim=1).view(T, -1)  # fmt: skip
+    assert (got - want).abs().max() < 1e-5
+    assert torch.equal(got[:, (H + KVH) * D :], qkv[:, (H + KVH) * D :])
+    one = qkv[7:8].clone()
+    ops.head_norm(one, qw, kw, H, KVH, 1e-6)
+    assert torch.equal(one, got[7:8])
+
+
 @needs_kernel
 def test_int8_quantization_of_a_float_checkpoint_stays_within_its_bound(tmp_path):
     """``--quantization int8`` on a safetensors checkpoint: every linear (LM head included)
@@ -469,15 +486,15 @@ needs_step = pytest.mark.skipif(
 
 
 @needs_step
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "granite", "smollm3"])
 def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, arch):
     """kernels/step.c runs every layer in one call with the same kernels as llama.py's
     loop: the same numbers to the bit, for prefill chunks, decode rows and their mix (a tiny
-    Llama, and a Qwen2 whose q/k/v bias step.c adds itself)."""
-    from tinyserve.testing.checkpoints import build_hf, llama_config, qwen2_config, save_hf
+    Llama; a Qwen2 whose q/k/v bias step.c adds itself; Qwen3's head norms, Granite's branch
+    scale and SmolLM3's NoPE layer, each family's difference in step.c)."""
+    from tinyserve.testing.checkpoints import build_hf, save_hf, tiny_config
 
-    cfg = llama_config() if arch == "llama" else qwen2_config()
-    path = save_hf(build_hf(cfg), tmp_path / arch)
+    path = save_hf(build_hf(tiny_config(arch)), tmp_path / arch)
     fused, _ = load_model(path, torch.float32, "cpu")
     loop, _ = load_model(path, torch.float32, "cpu", fused_step=False)
     assert fused.model.step_plan is not None and loop.model.step_plan is None

@@ -31,6 +31,32 @@ void rms_norm(const float *x, float *residual, const float *w, float *out, int64
     }
 }
 
+// One vector of n floats normalised in place: v = w * (v * inv), inv = 1 / sqrt(mean(v^2) +
+// eps), the arithmetic of rms_norm above (n % 8 == 0).
+INLINE void norm_in_place(float *v, const float *w, int64_t n, float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 t = _mm256_loadu_ps(v + i);
+        ss = _mm256_fmadd_ps(t, t, ss);
+    }
+    const __m256 iv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                              _mm256_mul_ps(_mm256_loadu_ps(v + i), iv)));
+}
+
+// Qwen3's q/k norm: in the fused qkv rows [T, (H + 2 KVH) * D], each of the H query heads
+// RMS-normalised over its D values with qw, each of the KVH key heads with kw, in place
+// (the values untouched). D % 8 == 0. Tokens over threads.
+void head_norm(float *qkv, const float *qw, const float *kw, int64_t T, int H, int KVH, int D,
+               float eps, int nthreads) {
+    const int64_t row = (int64_t)(H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 8)
+    for (int64_t t = 0; t < T; t++)
+        for (int h = 0; h < H + KVH; h++)
+            norm_in_place(qkv + t * row + (int64_t)h * D, h < H ? qw : kw, D, eps);
+}
+
 // gate_up [rows, 2I] -> out [rows, I]: silu(gate) * up, silu(g) = g / (1 + exp(-g)). I % 8 == 0.
 void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t I, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 8)

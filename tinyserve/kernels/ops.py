@@ -17,6 +17,8 @@ def library() -> ctypes.CDLL | None:
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, i32]
+        lib.head_norm.argtypes = [p, p, p, i64, i32, i32, i32, ctypes.c_float, i32]
+        lib.head_norm.restype = None
         lib.silu_and_mul.argtypes = [p, p, i64, i64, i32]
         for f in (lib.rope_and_cache, lib.rope_and_cache_bf16):
             f.argtypes, f.restype = [p, p, p, p, p, p, i64, i32, i32, i32, i32], None
@@ -62,6 +64,19 @@ def rms_norm(
     library().rms_norm(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), rows, h, eps,
                        kernel_threads())  # fmt: skip
     return out
+
+
+def head_norm(
+    qkv: torch.Tensor,  # [num_tokens, (H + 2 KVH) * D], q and k heads normalised in place
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> None:
+    """RMSNorm over each head of q (``q_weight``) and of k (``k_weight``) inside ``qkv``."""
+    library().head_norm(qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), qkv.shape[0],
+                        num_heads, num_kv_heads, q_weight.shape[0], eps, kernel_threads())  # fmt: skip
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,11 @@
 //
 // Per layer l, with x the layer input and residual the residual stream ([M, H] each):
 //   l == 0: residual = x; h = norm(x)           else: residual += x; h = norm(residual)
-//   qkv = h W_qkv^T (+ bias); rope + K/V cache write; o = attention(q); x = o W_o^T
-//   residual += x; h = norm(residual); x = silu_and_mul(h W_gu^T) W_down^T
+//   qkv = h W_qkv^T (+ bias); [q/k head norms]; rope + K/V cache write; o = attention(q);
+//   x = o W_o^T [* branch_scale]; residual += x; h = norm(residual);
+//   x = silu_and_mul(h W_gu^T) W_down^T [* branch_scale]
+// The bracketed steps are other families' (models/qwen3.py's head norms, granite.py's
+// residual multiplier); a NoPE layer (smollm3.py) rotates by the step's identity tables.
 // Rows [0, nd) are decode rows (linear layers with int8_decode send them to qgemm).
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
@@ -19,6 +22,8 @@ typedef int (*qgemm_fn)(int, const void *, const float *, const float *, const f
 typedef void (*rms_fn)(const float *, float *, const float *, float *, int64_t, int64_t, float,
                        int);
 typedef void (*silu_fn)(const float *, float *, int64_t, int64_t, int);
+typedef void (*head_norm_fn)(float *, const float *, const float *, int64_t, int, int, int, float,
+                             int);
 typedef void (*rope_fn)(float *, const float *, const float *, float *, float *, const int64_t *,
                         int64_t, int, int, int, int);
 typedef int (*attn_fn)(const float *, int64_t, const float *, const float *, int, int, int, int,
@@ -40,6 +45,8 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     linear_t qkv, o, gate_up, down;
+    const float *q_norm, *k_norm;  // per-head q/k RMSNorm weights [D], or NULL (Qwen3)
+    int64_t rope;                  // 0: no position encoding here (a NoPE layer)
 } layer_t;
 
 typedef struct {
@@ -49,6 +56,8 @@ typedef struct {
     silu_fn silu_and_mul;
     rope_fn rope_and_cache;
     attn_fn paged_attention;
+    head_norm_fn head_norm;
+    float branch_scale;  // each attention / MLP output times this (Granite; 1: none)
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
     const layer_t *layers;
@@ -56,6 +65,7 @@ typedef struct {
 
 typedef struct {  // this step's attention inputs (layers/attention.py KernelInputs)
     const float *cos, *sin;
+    const float *cos_id, *sin_id;  // identity tables (1, 0) for NoPE layers, or NULL
     const int64_t *slot_mapping, *query_start_loc, *seq_lens, *seq_of_token;
     const int32_t *block_tables;
     int64_t max_blocks;
@@ -80,6 +90,11 @@ static int linear(const model_t *mo, const linear_t *w, const float *x, float *y
     return rc;
 }
 
+static void scale(float *x, int64_t n, float s) {  // one rounding each, as torch's x * s
+    if (s != 1.0f)
+        for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
 // x [M, H]: the embeddings in, the last layer's output out; residual [M, H]: the residual
 // stream out (the final norm is the caller's). Returns 0, or -1 when memory ran out.
 int forward_layers(const model_t *mo, const step_t *st, float *x, float *residual, int M,
@@ -101,17 +116,22 @@ int forward_layers(const model_t *mo, const step_t *st, float *x, float *residua
             mo->rms_norm(x, residual, L->input_norm, h, M, H, mo->eps, nt);
         }
         rc |= linear(mo, &L->qkv, h, qkv, M, nd, nt);
-        mo->rope_and_cache(qkv, st->cos, st->sin, st->k_caches[l], st->v_caches[l],
-                           st->slot_mapping, M, (int)NH, (int)KVH, (int)D, nt);
+        if (L->q_norm)
+            mo->head_norm(qkv, L->q_norm, L->k_norm, M, (int)NH, (int)KVH, (int)D, mo->eps, nt);
+        mo->rope_and_cache(qkv, L->rope ? st->cos : st->cos_id, L->rope ? st->sin : st->sin_id,
+                           st->k_caches[l], st->v_caches[l], st->slot_mapping, M, (int)NH,
+                           (int)KVH, (int)D, nt);
         rc |= mo->paged_attention(qkv, QKV, st->k_caches[l], st->v_caches[l],
                                   (int)mo->block_size, (int)NH, (int)KVH, (int)D,
                                   st->query_start_loc, st->seq_lens, st->seq_of_token, M,
                                   st->block_tables, st->max_blocks, mo->scale, o, nt);
         rc |= linear(mo, &L->o, o, x, M, nd, nt);
+        scale(x, M * H, mo->branch_scale);
         mo->rms_norm(x, residual, L->post_norm, h, M, H, mo->eps, nt);
         rc |= linear(mo, &L->gate_up, h, gu, M, nd, nt);
         mo->silu_and_mul(gu, act, M, I, nt);
         rc |= linear(mo, &L->down, act, x, M, nd, nt);
+        scale(x, M * H, mo->branch_scale);
     }
     free(h);
     free(qkv);

@@ -29,19 +29,22 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear)]  # fmt: skip
+                ("gate_up", _Linear), ("down", _Linear), ("q_norm", P), ("k_norm", P),
+                ("rope", I64)]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("gemm", P), ("qgemm", P), ("rms_norm", P), ("silu_and_mul", P),
-                ("rope_and_cache", P), ("paged_attention", P), ("num_layers", I64),
+                ("rope_and_cache", P), ("paged_attention", P), ("head_norm", P),
+                ("branch_scale", F32), ("num_layers", I64),
                 ("hidden", I64), ("intermediate", I64), ("num_heads", I64),
                 ("num_kv_heads", I64), ("head_dim", I64), ("block_size", I64), ("eps", F32),
                 ("scale", F32), ("layers", ctypes.POINTER(_Layer))]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("cos", P), ("sin", P), ("slot_mapping", P), ("query_start_loc", P),
+    _fields_ = [("cos", P), ("sin", P), ("cos_id", P), ("sin_id", P), ("slot_mapping", P),
+                ("query_start_loc", P),
                 ("seq_lens", P), ("seq_of_token", P), ("block_tables", P),
                 ("max_blocks", I64), ("k_caches", P), ("v_caches", P)]  # fmt: skip
 
@@ -92,10 +95,12 @@ class StepPlan:
         self._struct = _Model(
             _fn(libs[0], "gemm"), _fn(libs[1], "qgemm"), _fn(libs[2], "rms_norm"),
             _fn(libs[2], "silu_and_mul"), _fn(libs[2], "rope_and_cache"),
-            _fn(libs[3], "paged_attention" + tiles), cfg.num_hidden_layers, cfg.hidden_size,
+            _fn(libs[3], "paged_attention" + tiles), _fn(libs[2], "head_norm"),
+            model.model.layers[0].residual_multiplier, cfg.num_hidden_layers, cfg.hidden_size,
             cfg.intermediate_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
             cfg.rms_norm_eps, attn.scale, layers,
         )  # fmt: skip
+        self._nope = any(not layer.rope for layer in layers)  # identity tables needed
         self._caches: tuple[tuple, ctypes.Array, ctypes.Array] | None = None  # (key, K, V)
         # The cache writer and attention for each cache dtype (--kv-cache-dtype).
         self._cache_fns = {
@@ -130,8 +135,10 @@ class StepPlan:
         kin = meta.kernel
         ks, vs = self._cache_ptrs(kv_caches)
         cos, sin = (t.contiguous() for t in cos_sin)
+        ident = (torch.ones_like(cos), torch.zeros_like(sin)) if self._nope else (None, None)
         self._struct.block_size = meta.block_size
-        step = _Step(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+        step = _Step(cos.data_ptr(), sin.data_ptr(), _ptr(ident[0]), _ptr(ident[1]),
+                     meta.slot_mapping.data_ptr(),
                      kin.query_start_loc.data_ptr(), kin.seq_lens.data_ptr(),
                      kin.seq_of_token.data_ptr(), kin.block_tables.data_ptr(),
                      kin.block_tables.shape[1], ctypes.addressof(ks), ctypes.addressof(vs))  # fmt: skip
@@ -162,8 +169,11 @@ def build_plan(model) -> StepPlan | None:
         lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(lin is None for lin in lins):
             return None
-        layers.append(_Layer(_ptr(norms[0].weight), _ptr(norms[1].weight), *lins))
-        keep += [n.weight for n in norms]
+        q_norm, k_norm = (getattr(attn, n, None) for n in ("q_norm", "k_norm"))
+        heads = [None if m is None else m.weight for m in (q_norm, k_norm)]
+        layers.append(_Layer(_ptr(norms[0].weight), _ptr(norms[1].weight), *lins,
+                             *map(_ptr, heads), int(attn.use_rope)))  # fmt: skip
+        keep += [n.weight for n in norms] + heads
         keep += [(m.method.kernel, m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
     return StepPlan(model, (_Layer * len(layers))(*layers), keep)

@@ -53,6 +53,14 @@ class AttentionMethod:
         write_kv_cache(qk[:, h:], v.view(-1, kv, d), k_cache, v_cache, meta.slot_mapping)
         return paged_attention(qk[:, :h], k_cache, v_cache, meta, attn.scale)
 
+    def head_norm(self, attn, qkv: torch.Tensor, q_norm, k_norm) -> None:
+        """Qwen3's RMSNorm over each head of q (``q_norm``) and of k (``k_norm``), in place."""
+        h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q = qkv[:, : h * d].view(-1, h, d)
+        k = qkv[:, h * d : (h + kv) * d].view(-1, kv, d)
+        q.copy_(q_norm.plain(q))
+        k.copy_(k_norm.plain(k))
+
 
 TORCH_ATTENTION = AttentionMethod()
 
@@ -76,3 +84,8 @@ class KernelAttention(AttentionMethod):
                            h, kv)  # fmt: skip
         q = qkv.view(-1, h + 2 * kv, attn.head_dim)
         return paged_attention(q[:, :h], k_cache, v_cache, meta, attn.scale, self.tiles)
+
+    def head_norm(self, attn, qkv: torch.Tensor, q_norm, k_norm) -> None:
+        """The same in one pass (kernels/ops.c head_norm; the fused step calls it too)."""
+        ops.head_norm(qkv, q_norm.weight, k_norm.weight, attn.num_heads, attn.num_kv_heads,
+                      q_norm.eps)  # fmt: skip

@@ -4,8 +4,8 @@ output before it joins the residual stream, ``attention_multiplier`` as the soft
 (instead of head_dim ** -0.5) and the logits divided by ``logits_scaling``.
 
 The scale goes to whichever attention method runs (the kernels take it as an argument); the
-multipliers are elementwise in torch around the layers, so the one-call fused step
-(kernels/step.c), which adds a branch to the residual as it is, is not used yet.
+embedding and logits scalars act outside the layers; the fused step (kernels/step.c)
+multiplies each branch by ``residual_multiplier`` as torch does, one rounding per value.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
     layer_cls = GraniteDecoderLayer
     attention_cls = GraniteAttention
-    fused_step_ok = False  # step.c adds each branch to the residual unscaled
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, num_decode: int = 0) -> torch.Tensor:

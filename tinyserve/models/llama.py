@@ -48,6 +48,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, kv_head
 
 
 class LlamaAttention(nn.Module):
+    use_rope = True  # False: a NoPE layer (smollm3.py); what the fused step reads per layer
+
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup, layer_idx: int = 0
     ) -> None:
@@ -110,6 +112,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    residual_multiplier = 1.0  # what branch() scales by (granite.py); the fused step reads it
+
     def __init__(
         self,
         config: ModelConfig,
@@ -194,8 +198,9 @@ class LlamaForCausalLM(nn.Module):
     model_cls: type[LlamaModel] = LlamaModel
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     attention_cls: type[LlamaAttention] = LlamaAttention
-    # Whether kernels/step.py's one-call step computes this family (Llama's layer exactly);
-    # a family whose hooks change the layer sets False until step.c learns its difference.
+    # Whether kernels/step.py's one-call step computes this family: step.c knows Llama's
+    # layer and the differences of qwen3.py, granite.py and smollm3.py (head norms, branch
+    # scale, NoPE layers); a family with another difference sets False until it learns it.
     fused_step_ok = True
 
     def __init__(

@@ -2,9 +2,9 @@
 RoPE (``q_norm``, ``k_norm``: one weight of ``head_dim`` each, shared by the heads), no q/k/v
 bias, and an explicit ``head_dim`` (Qwen3-0.6B: 16 heads x 128 over a hidden size of 1024).
 
-The norms run in torch on the fused qkv rows, in place, before the layer's attention method
-(RoPE, cache write, attention), so every attention method serves Qwen3 unchanged; the one-call
-fused step (kernels/step.c) does not do them yet, so the loader keeps the per-layer loop.
+The norms run on the fused qkv rows, in place, before RoPE and the cache write: the attention
+method's ``head_norm`` (torch, or kernels/ops.c ``head_norm``, which the one-call fused step
+calls too, so the two paths agree to the bit).
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
     def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Each head of q and of k RMS-normalised over its ``head_dim``, in place."""
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = qkv[:, : h * d].view(-1, h, d)
-        k = qkv[:, h * d : (h + kv) * d].view(-1, kv, d)
-        q.copy_(self.q_norm.plain(q))
-        k.copy_(self.k_norm.plain(k))
+        """Each head of q and of k RMS-normalised over its ``head_dim``, in place, by the
+        attention method (the kernels' head_norm, or torch)."""
+        self.method.head_norm(self, qkv, self.q_norm, self.k_norm)
         return qkv
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
-    fused_step_ok = False  # step.c has no per-head q/k norm

@@ -4,8 +4,8 @@ layer in the released model).
 
 A NoPE layer gets identity tables (cos 1, sin 0): rotating by them gives each value back
 exactly (x * 1 - y * 0 == x), so every attention method, kernels included, serves the layer
-unchanged. The one-call fused step (kernels/step.c) shares one table across layers, so the
-loader keeps the per-layer loop for now.
+unchanged; the fused step (kernels/step.c) reads each layer's ``use_rope`` and gives NoPE
+layers the same identity tables.
 """
 
 from __future__ import annotations
@@ -34,4 +34,3 @@ class SmolLM3Attention(LlamaAttention):
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     attention_cls = SmolLM3Attention
-    fused_step_ok = False  # step.c shares one RoPE table across layers

@@ -25,9 +25,14 @@ ARCHITECTURES = {
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # HF ``model_type`` / GGUF ``general.architecture`` -> architecture.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM",
+               "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
+HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM"}  # GGUF: Mistral is "llama"
+# GGUF architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel family).
+GGUF_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
+# SmolLM3 in GGUF: every 4th layer without RoPE (llama.cpp's n_no_rope_layer_step; no key).
+SMOLLM3_NO_ROPE_STEP = 4
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -192,6 +197,15 @@ class ModelConfig:
                 "factor": float(fields.get(f"{a}.rope.scaling.factor")),
             }
         eos = fields.get("tokenizer.ggml.eos_token_id")
+        family: dict[str, Any] = {}
+        if a == "granite":  # the converter's names for the four multipliers
+            keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier":
+                    "residual_scale", "attention_multiplier": "attention.scale",
+                    "logits_scaling": "logit_scale"}  # fmt: skip
+            family = {k: float(fields[f"{a}.{g}"]) for k, g in keys.items() if f"{a}.{g}" in fields}
+        if a == "smollm3":
+            step = SMOLLM3_NO_ROPE_STEP
+            family["no_rope_layers"] = tuple(int((i + 1) % step != 0) for i in range(num_layers))
         return cls(
             architecture=MODEL_TYPES[a],
             vocab_size=int(vocab),
@@ -209,6 +223,7 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
+            **family,
         )
 
 

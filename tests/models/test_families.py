@@ -6,6 +6,8 @@ logits alone, bitwise; and each feature matters (without it the logits differ)."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -126,3 +128,50 @@ def test_a_sliding_window_caps_the_context_it_is_served_with():
 def test_what_no_family_serves_is_refused_by_name(cfg, field):
     with pytest.raises(ValueError, match=field):
         _config(**cfg)
+
+
+GGUF_CONFIGS = {
+    "qwen3": {},
+    "mistral": {},
+    "granite": {},
+    # GGUF has no key for SmolLM3's NoPE layers: llama.cpp takes every 4th (its default too).
+    "smollm3": {"num_hidden_layers": 4, "no_rope_layers": None},
+}
+
+
+@pytest.mark.parametrize("name", list(GGUF_CONFIGS))
+def test_gguf_equals_safetensors_and_quantised_blocks_serve(name, tmp_path):
+    """The family's GGUF as llama.cpp's converter writes it: at F32 the same logits as its
+    safetensors to the bit; with Q4_1 / Q8_0 projections, transformers' logits with those
+    exact (dequantised) weights, on the kernels' own blocks."""
+    from tinyserve.testing.gguf_writer import write_gguf
+
+    hf = build_hf(tiny_config(name, **GGUF_CONFIGS[name]))
+    tokens = random_tokens(16, seed=9)
+    st, _ = load_model(save_hf(hf, tmp_path / "st"), dtype=torch.float32)
+    write_gguf(hf, tmp_path / "f32.gguf", {})
+    gg, source = load_model(tmp_path / "f32.gguf", dtype=torch.float32)
+    assert source.kind == "gguf"
+    # GGUF keeps eps as a float32 (as the kernels take it); no token ids in these files;
+    # Mistral is written as "llama" (the same layer).
+    floats = ("rms_norm_eps", "residual_multiplier", "attention_multiplier")  # float32 there
+    same = {k: getattr(gg.config, k) for k in ("eos_token_ids", "bos_token_id", "architecture",
+                                               *floats)}  # fmt: skip
+    assert gg.config.architecture == st.config.architecture.replace("Mistral", "Llama")
+    assert gg.config == dataclasses.replace(st.config, **same)
+    for k in floats:
+        want = getattr(st.config, k)
+        assert getattr(gg.config, k) == (want and pytest.approx(want, rel=1e-6)), k
+    one = PagedRunner(st, BLOCK_SIZE, num_blocks=16).step([("s", tokens)])[0]
+    two = PagedRunner(gg, BLOCK_SIZE, num_blocks=16).step([("s", tokens)])[0]
+    assert torch.equal(one, two)
+    mix = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q8_0",
+           "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}  # fmt: skip
+    exact = write_gguf(hf, tmp_path / "q.gguf", mix)
+    q, _ = load_model(tmp_path / "q.gguf", dtype=torch.float32, kernel_activations="float32")
+    if attention.library() is not None:
+        assert {m.method.name for n, m in q.linear_layers().items() if "layers" in n} == {
+            "kernel-q4_1", "kernel-q8_0"}  # fmt: skip
+    hf.load_state_dict({**hf.state_dict(), **exact})
+    got = PagedRunner(q, BLOCK_SIZE, num_blocks=16).step([("s", tokens)])[0]
+    torch.testing.assert_close(got, hf_logits(hf, tokens), atol=1e-4, rtol=0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from tinyserve.testing.checkpoints import (
     random_tokens,
     save_hf,
 )
+from tinyserve.testing.gguf_writer import write_gguf
 from tinyserve.testing.paged_runner import PagedRunner
 
 TOKENS = random_tokens(24, seed=3)
@@ -194,96 +194,6 @@ def test_non_gguf_file(tmp_path):
 # ---------------------------------------------------------------- GGUF
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf row permutation of q/k for the llama architecture."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-HF_TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in HF_TO_GGUF:
-        return HF_TO_GGUF[hf_name]
-    parts = hf_name.split(".")
-    return f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:])]}"
-
-
-def write_llama_gguf(hf, path, qtypes: dict[str, str], arch: str = "llama", rope_freqs=None):
-    """Write ``hf`` as a GGUF; ``qtypes`` maps a projection suffix (e.g. "attn_q") to a GGML
-    type name, others are F32. Returns {hf name: the exact fp32 weight a reader should get}."""
-    import gguf
-
-    cfg = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    expected = {}
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        gname = _gguf_name(name)
-        data = t.detach().float().numpy().copy()
-        heads = None
-        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
-            q = gname.endswith("attn_q.weight")
-            heads = cfg.num_attention_heads if q else cfg.num_key_value_heads
-            data = _permute(data, heads)
-        kind = next((v for k, v in qtypes.items() if f".{k}." in f".{gname}"), "F32")
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "F32":
-            w.add_tensor(gname, data)
-            stored = data
-        elif kind == "F16":
-            w.add_tensor(gname, data.astype(np.float16))
-            stored = data.astype(np.float16).astype(np.float32)
-        else:
-            raw = gguf.quants.quantize(data, qtype)
-            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qtype)
-            stored = gguf.quants.dequantize(raw, qtype).reshape(data.shape)
-        if heads is not None:
-            stored = _unpermute(stored, heads)
-        expected[name] = torch.from_numpy(np.ascontiguousarray(stored, dtype=np.float32))
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return expected
-
-
 def _our_weight(model, hf_name: str) -> torch.Tensor:
     from tinyserve.models.weights import map_checkpoint_name
 
@@ -311,7 +221,7 @@ QUANT_MIX = {
 
 def test_gguf_f32_round_trip_matches_transformers(llama_hf, tmp_path):
     f = tmp_path / "tiny-f32.gguf"
-    expected = write_llama_gguf(llama_hf, f, {})
+    expected = write_gguf(llama_hf, f, {})
     ours, source = load_model(f, dtype=torch.float32)
     assert source.kind == "gguf"
     hf_sd = llama_hf.state_dict()
@@ -324,7 +234,7 @@ def test_gguf_f32_round_trip_matches_transformers(llama_hf, tmp_path):
 
 def test_gguf_quantized_weights_equal_gguf_dequantize(llama_hf, tmp_path):
     f = tmp_path / "tiny-mixed.gguf"
-    expected = write_llama_gguf(llama_hf, f, QUANT_MIX)
+    expected = write_gguf(llama_hf, f, QUANT_MIX)
     ours, _ = load_model(f, dtype=torch.float32)
     hf_sd = llama_hf.state_dict()
     for name, want in expected.items():
@@ -350,7 +260,7 @@ def test_gguf_rope_freqs_carry_llama3_scaling(tmp_path):
     factors = base / inv_scaled
     assert (factors > 1.5).any()  # the scaling is not a no-op
     f = tmp_path / "tiny-llama3.gguf"
-    write_llama_gguf(hf, f, {}, rope_freqs=factors)
+    write_gguf(hf, f, {}, rope_freqs=factors)
     ours, _ = load_model(f, dtype=torch.float32)
     tokens = random_tokens(40, seed=8)
     got = our_logits(ours, tokens, prompt_len=20)
@@ -360,7 +270,7 @@ def test_gguf_rope_freqs_carry_llama3_scaling(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt2", "falcon"])
 def test_gguf_unsupported_architecture(llama_hf, tmp_path, arch):
     f = tmp_path / f"tiny-{arch}.gguf"
-    write_llama_gguf(llama_hf, f, {}, arch=arch)
+    write_gguf(llama_hf, f, {}, arch=arch)
     with pytest.raises(ValueError, match=arch) as e:
         load_model(f)
     assert "not supported" in str(e.value) and str(f) in str(e.value)
@@ -369,7 +279,7 @@ def test_gguf_unsupported_architecture(llama_hf, tmp_path, arch):
 @pytest.mark.parametrize("how", ["garbage", "truncated_header", "truncated_data", "empty"])
 def test_corrupt_gguf(llama_hf, tmp_path, how):
     good = tmp_path / "good.gguf"
-    write_llama_gguf(llama_hf, good, {})
+    write_gguf(llama_hf, good, {})
     data = good.read_bytes()
     f = tmp_path / "bad.gguf"
     f.write_bytes(

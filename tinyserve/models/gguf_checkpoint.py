@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tinyserve.config import MODEL_TYPES, ModelConfig
+from tinyserve.config import GGUF_PERMUTED_QK, MODEL_TYPES, ModelConfig
 
 if TYPE_CHECKING:
     from tinyserve.models.llama import LlamaForCausalLM
@@ -32,6 +32,8 @@ GGUF_TO_HF = {
     "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
     "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
     "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",  # Qwen3
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
@@ -86,7 +88,7 @@ class GGUFCheckpoint:
                 logger.warning("%s: ignoring unknown GGUF tensor %s", self.path.name, name)
                 continue
             w = self._dequantize(t)
-            if self.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            if self.arch in GGUF_PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 # llama.cpp's converter interleaves q/k rows for its rope layout; undo it.
                 heads = (
                     config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
@@ -107,7 +109,7 @@ class GGUFCheckpoint:
             if t is None or len(t.shape) != 2:
                 return None
             qw = gemm.from_gguf(self.file.raw(t), t.qtype, t.shape)
-            if qw is not None and heads is not None and self.arch == "llama":
+            if qw is not None and heads is not None and self.arch in GGUF_PERMUTED_QK:
                 order = unpermute_qk(torch.arange(t.shape[0])[:, None], heads)[:, 0]
                 qw = qw.take_rows(order)
             return qw

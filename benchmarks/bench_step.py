@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,16,32")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results/step.json")
+    ap.add_argument("--paths", default=None, help="comma-separated path names (default: all)")
     args = ap.parse_args(argv)
     # path name -> engine flags: the default, the int8-activation opt-in, torch's GEMM + SDPA.
     paths = {
@@ -168,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if gemm.bf16_available():  # the default rounds activations to bf16: float32's cost beside
         paths["kernels, float32 activations"] = {"kernel_activations": "float32"}
+    if args.paths:  # the int8 floor needs its engine
+        keep = {"kernels", "kernels+int8-decode", *args.paths.split(",")}
+        paths = {k: v for k, v in paths.items() if k in keep}
     engines = {
         name: LLMEngine(
             EngineArgs(

@@ -83,16 +83,21 @@ def _metadata(w, cfg) -> None:
         w.add_logit_scale(cfg.logits_scaling)
 
 
-def write_gguf(hf, path, qtypes: dict[str, str], arch: str | None = None, rope_freqs=None):
+def write_gguf(
+    hf, path, qtypes: dict[str, str], arch: str | None = None, rope_freqs=None, extra=None
+):
     """Write ``hf`` as a GGUF; ``qtypes`` maps a projection suffix (e.g. "attn_q") to a GGML
-    type name, others are F32; ``arch`` overrides the architecture (tests of refusals).
-    Returns {hf name: the exact fp32 weight a reader should get}."""
+    type name, others are F32; ``arch`` overrides the architecture (tests of refusals);
+    ``extra(writer)`` adds metadata (a tokenizer). Returns {hf name: the exact fp32 weight
+    a reader should get}."""
     import gguf
 
     cfg = hf.config
     arch_name, permuted = GGUF_ARCH.get(cfg.model_type, (cfg.model_type, False))
     w = gguf.GGUFWriter(str(path), arch or arch_name)
     _metadata(w, cfg)
+    if extra is not None:
+        extra(w)
     expected = {}
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -90,10 +90,42 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Predicted Outputs (OpenAI's usage fields): prediction tokens the output kept, in order,
+    # and the rest; summed over the choices.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+    def count_prediction(self, prediction, output) -> None:
+        kept = kept_in_order(prediction, output)
+        self.accepted_prediction_tokens += kept
+        self.rejected_prediction_tokens += len(prediction) - kept
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+def kept_in_order(prediction, output, reach: int = 256) -> int:
+    """How many prediction tokens the output kept, in order: walking the output, each token
+    matches the prediction's next occurrence of it within ``reach`` tokens of where the
+    alignment stands (an edit skips or inserts a little, never the whole file). Linear in the
+    output (it runs on the engine thread when a request ends), a lower bound of the longest
+    common subsequence, equal to it when the output is the prediction with local edits."""
+    import bisect
+
+    where: dict[int, list[int]] = {}
+    for i, t in enumerate(prediction):
+        where.setdefault(t, []).append(i)
+    pos = kept = 0
+    for t in output:
+        spots = where.get(t)
+        if not spots:
+            continue
+        j = bisect.bisect_left(spots, pos)
+        if j < len(spots) and spots[j] - pos < reach:
+            kept += 1
+            pos = spots[j] + 1
+    return kept
 
 
 @dataclass

@@ -84,6 +84,9 @@ class SamplingParams:
     ``prompt_logprobs=k``: the same for every prompt token after the first, from the prefill's
     own logits (such a request takes no prefix-cache hits: cached positions have no logits).
     ``max_tokens=0`` scores the prompt only: the request ends after its prefill, no token.
+    ``prediction``: token ids the output is expected to be close to (OpenAI's Predicted
+    Outputs): the request's speculative drafts come from them (spec_decode/prediction.py);
+    the output is what it would be without.
     """
 
     n: int = 1
@@ -106,6 +109,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    prediction: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -172,6 +176,8 @@ class SamplingParams:
         for t in self.logit_bias or {}:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is outside [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in self.prediction or ()):
+            raise ValueError(f"prediction: a token id is outside [0, {vocab_size})")
 
 
 def _checked_bias(logit_bias: dict) -> dict[int, float]:

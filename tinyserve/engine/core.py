@@ -19,6 +19,7 @@ from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.structured_output import StructuredOutputManager
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerUpdate
 from tinyserve.request import Request, RequestStatus
+from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.proposer import NgramProposer
 
 if TYPE_CHECKING:  # the core stays torch-free: LLMEngine builds the executor and hands it in
@@ -62,7 +63,9 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         spec = config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        # Without --speculative-config only requests with a prediction draft (theirs).
+        self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None)
+        self.speculative = spec is not None
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.proposer)
         self.num_steps = 0  # steps run: the live view's and /metrics' common clock
         self.view = EngineView(self.scheduler, self.kv_cache_manager)
@@ -125,11 +128,11 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             prompt_tokens_total=sched.prompt_tokens_total,
             generation_tokens_total=sched.generation_tokens_total,
-            spec_decode=self.proposer.stats if self.proposer is not None else None,
+            spec_decode=self.proposer.stats if self.speculative else None,
             num_steps=self.num_steps,
         )
 
     def snapshot(self, take_steps: bool = True) -> dict:
         """The live engine view's snapshot (engine_view.py): a plain dict, engine thread only."""
-        spec = self.proposer.stats if self.proposer is not None else None
+        spec = self.proposer.stats if self.speculative else None
         return self.view.snapshot(self.num_steps, take_steps, spec)

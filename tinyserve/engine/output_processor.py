@@ -173,6 +173,9 @@ class OutputProcessor:
             prompt_lps = [None, *req.prompt_logprobs]
         parent.usage.completion_tokens += len(new_ids)
         parent.usage.cached_tokens = max(parent.usage.cached_tokens, req.num_cached_tokens)
+        prediction = req.sampling_params.prediction
+        if prediction is not None and finish_reason is not None:
+            parent.usage.count_prediction(prediction, req.output_token_ids[:num_output])
         return StepOutput(
             request_id=parent.request_id,
             index=req.index,

@@ -217,6 +217,11 @@ class TextContentPart(_Request):
     text: str
 
 
+class Prediction(_Request):  # OpenAI's Predicted Outputs (entrypoints/prediction.py)
+    type: Literal["content"]
+    content: str | list[TextContentPart]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -240,6 +245,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    prediction: Prediction | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template, e.g. enable_thinking"
     )
@@ -287,6 +293,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: dict[str, int] | None = None  # with a prediction
 
 
 class ChatCompletionResponse(_Response):
@@ -306,6 +313,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="Text, a list of texts, token ids or a list of token-id lists"
     )
+    prediction: Prediction | None = None
     max_tokens: int | None = Field(
         16, **_range("Default 16, as OpenAI and vLLM; 0 with echo scores the prompt", minimum=0)
     )

@@ -37,7 +37,6 @@ REJECTED = {
     # OpenAI
     "audio": "audio output is not supported: text only",
     "modalities": 'only ["text"] is supported',
-    "prediction": "Predicted Outputs are not supported",
     "reasoning_effort": "the served model has no reasoning mode",
     "reasoning": "the served model has no reasoning mode",
     "verbosity": "not supported by the served model",

@@ -31,6 +31,7 @@ from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.chat_template import render_chat
+from tinyserve.entrypoints.prediction import prediction_ids
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
 from tinyserve.entrypoints.streaming import (
@@ -217,6 +218,9 @@ class OpenAIServing:
             "prompt_logprobs": req.prompt_logprobs,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
+            "prediction": prediction_ids(req, self.tokenizer)
+            if getattr(req, "prediction", None)
+            else None,
             **extra,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}

@@ -110,7 +110,17 @@ def usage_info(usage: Usage | None) -> P.UsageInfo:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=P.PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=_prediction_details(usage),
     )
+
+
+def _prediction_details(usage: Usage) -> dict[str, int] | None:
+    """OpenAI's counts for a request with a prediction (None without one)."""
+    if not usage.accepted_prediction_tokens + usage.rejected_prediction_tokens:
+        return None
+    return {"accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+            "reasoning_tokens": 0}  # fmt: skip
 
 
 async def outputs(stream: OutputStream) -> AsyncIterator[StepOutput]:

@@ -26,6 +26,10 @@ and none when no ``k`` beats the step without them (vLLM's goodput idea, SmartSp
 
 Constrained (grammar) requests draft too: each verified position gets the grammar's mask
 after the drafts before it (engine/structured_output.py).
+
+A request with a ``prediction`` (Predicted Outputs) drafts from it instead (prediction.py),
+under the same pricing; the engine keeps a proposer for those even without
+``--speculative-config`` (``ngram=False``: other requests never draft).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from tinyserve.request import Request
 from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.ngram import propose
+from tinyserve.spec_decode.prediction import PredictionDrafter
 
 _DECAY = 0.6  # per verification, the weight of a request's older acceptance evidence
 # A new request's acceptance before its first verification: hopeful (1.8 of 2 pseudo-drafts
@@ -90,8 +95,10 @@ def best_draft_length(
 
 
 class NgramProposer:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, ngram: bool = True):
         self.config = config
+        self.ngram = ngram  # n-gram drafts for every request (else predictions only)
+        self._drafters: dict[str, PredictionDrafter] = {}
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.cost = StepCostModel()
         self._state: dict[str, _RequestState] = {}
@@ -119,6 +126,8 @@ class NgramProposer:
         """Draft tokens for a decoding request (one token to compute), or []."""
         cfg = self.config
         if num_running > cfg.max_batch_size:
+            return []
+        if not self.ngram and request.sampling_params.prediction is None:
             return []
         k = min(
             cfg.num_speculative_tokens,
@@ -161,6 +170,12 @@ class NgramProposer:
         return proposal[:n]
 
     def _propose(self, request: Request, k: int) -> list[int]:
+        prediction = request.sampling_params.prediction
+        if prediction is not None:
+            drafter = self._drafters.get(request.request_id)
+            if drafter is None:
+                drafter = self._drafters[request.request_id] = PredictionDrafter(prediction)
+            return drafter.propose(request.output_token_ids, k)
         cfg = self.config
         return propose(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
@@ -180,3 +195,4 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+        self._drafters.pop(request_id, None)

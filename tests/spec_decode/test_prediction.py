@@ -1,0 +1,68 @@
+"""Predicted Outputs (issue 40 deliver 3): a request's prediction is its draft source,
+aligned as the output drifts from it; the output is token-identical to decoding without it
+(exact, edited and unrelated predictions, alone and batched, no --speculative-config), usage
+counts the prediction tokens kept (the HTTP API: tests/entrypoints/test_prediction_api.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine import assert_no_leaks, build_engine, run_alone, run_batch
+from tinyserve.outputs import kept_in_order
+from tinyserve.sampling_params import SamplingParams
+from tinyserve.spec_decode.prediction import PredictionDrafter
+
+
+def test_the_drafter_follows_the_output_through_an_edit():
+    pred = list(range(100, 130))
+    d = PredictionDrafter(pred, max_match=4)
+    assert d.propose([], 3) == [100, 101, 102]  # nothing out yet: the prediction's start
+    assert d.propose([100, 101], 3) == [102, 103, 104]
+    out = [100, 101, 102, 7, 8, 105, 106]  # 103-104 replaced by an edit, then back on track
+    assert d.propose(out, 2) == [107, 108]
+    assert d.propose(out + [107, 108, 9], 4) == []  # an unknown token: no draft
+    assert d.propose([5, 129], 4) == []  # the prediction's end: nothing follows
+
+
+def test_kept_in_order_counts_an_edited_copy():
+    pred = list(range(50))
+    assert kept_in_order(pred, pred) == 50
+    assert kept_in_order(pred, pred[:20] + [999] * 5 + pred[25:]) == 45
+    assert kept_in_order(pred, [999] * 10) == 0
+    assert kept_in_order(pred, pred[::-1]) == 1  # order matters
+
+
+def _requests(tokenizer):
+    texts = ["The history of the Roman Empire", "def fibonacci(n):", "Dear Sir, I write to"]
+    return [(f"r{i}", tokenizer.encode(t), SamplingParams(temperature=0.0, max_tokens=40,
+             ignore_eos=True)) for i, t in enumerate(texts)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_outputs_are_identical_with_any_prediction(smollm2_gguf_path):
+    engine = build_engine(model=str(smollm2_gguf_path), num_blocks=256, block_size=16)
+    reqs = _requests(engine.tokenizer)
+    plain = run_batch(engine, reqs)
+    reference = {rid: plain[rid].token_ids for rid, _, _ in reqs}
+    steps_plain = engine.core.num_steps
+    edited = {}
+    for rid, _, _ in reqs:
+        out = reference[rid]
+        edited[rid] = tuple(out[:15] + [42, 43] + out[20:])  # an edit in the middle
+
+    for kind in ("exact", "edited", "unrelated"):
+        with_pred = []
+        for rid, prompt, _ in reqs:
+            pred = {"exact": tuple(reference[rid]), "edited": edited[rid],
+                    "unrelated": tuple(range(1000, 1040))}[kind]  # fmt: skip
+            p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prediction=pred)
+            with_pred.append((rid, prompt, p))
+        before = (engine.core.num_steps, engine.core.proposer.stats.num_accepted_tokens)
+        got = run_batch(engine, with_pred) if kind != "edited" else run_alone(engine, with_pred)
+        assert {rid: got[rid].token_ids for rid, _, _ in reqs} == reference, kind
+        accepted = engine.core.proposer.stats.num_accepted_tokens - before[1]
+        if kind == "exact":  # how many: the adaptive policy's call (benchmarks/ measure it)
+            assert accepted > 0 and engine.core.num_steps - before[0] < steps_plain
+        if kind == "unrelated":
+            assert accepted == 0
+    assert_no_leaks(engine)

@@ -111,3 +111,20 @@ def test_template_kwargs_reach_the_template(smollm2_tokenizer):
     off = tok.decode(serving.chat_prompt_ids(msgs, template_kwargs={"enable_thinking": False}))
     assert "<think>" not in on and off.endswith("<think>\n\n</think>\n\n")
     assert serving.thinks(None) and not serving.thinks({"enable_thinking": False})
+
+
+def test_responses_api_gives_the_thinking_a_reasoning_item(fake_server):
+    with fake_server(script=SCRIPT, server_options={"reasoning_parser": "think"}) as s:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x")
+        out = client.responses.create(model="fake-model", input="2+2?", max_output_tokens=50)
+        kinds = [item.type for item in out.output]
+        assert kinds == ["reasoning", "message"], kinds
+        assert out.output[0].content[0].text == "\nThe user wants 2+2."
+        assert out.output_text == "It is 4."
+        events = list(client.responses.create(model="fake-model", input="2+2?", stream=True,
+                                              max_output_tokens=50))  # fmt: skip
+        thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (thinking, text) == ("\nThe user wants 2+2.", "It is 4.")
+        done = [e for e in events if e.type == "response.completed"][0].response
+        assert [i.type for i in done.output] == ["reasoning", "message"]

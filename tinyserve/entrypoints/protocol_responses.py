@@ -231,6 +231,19 @@ class FunctionCallOutput(BaseModel):
     arguments: str = ""
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningOutput(BaseModel):  # a thinking model's <think> block (entrypoints/reasoning.py)
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_write_tokens: int = 0  # no explicit cache writes here
@@ -258,7 +271,7 @@ class ResponseObject(_Response):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
     status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
-    output: list[OutputMessage | FunctionCallOutput] = Field(default_factory=list)
+    output: list[OutputMessage | FunctionCallOutput | ReasoningOutput] = Field(default_factory=list)
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

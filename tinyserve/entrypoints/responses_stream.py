@@ -8,6 +8,10 @@ call returns the events that step makes, every one with its ``type`` and the nex
 ``sequence_number``::
 
     response.created, response.in_progress
+    response.output_item.added                  (reasoning: a thinking model's <think> block)
+      response.reasoning_text.delta ...
+      response.reasoning_text.done
+    response.output_item.done
     response.output_item.added                  (message)
       response.content_part.added
       response.output_text.delta ...
@@ -35,6 +39,8 @@ from tinyserve.entrypoints.protocol_responses import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
+    ReasoningOutput,
+    ReasoningText,
     ResponseObject,
     ResponseUsage,
 )
@@ -61,7 +67,7 @@ class ResponseBuilder:
     def __init__(self, response: ResponseObject) -> None:
         self.response = response
         self._seq = 0
-        self._open: OutputMessage | FunctionCallOutput | None = None  # the last item, until done
+        self._open: OutputMessage | FunctionCallOutput | ReasoningOutput | None = None
 
     def start(self) -> list[Event]:
         return [
@@ -90,6 +96,22 @@ class ResponseBuilder:
                                   delta=delta, logprobs=[]))  # fmt: skip
         return events
 
+    def reasoning(self, delta: str) -> list[Event]:
+        """Thinking text: into the open reasoning item, or a new one."""
+        if not delta:
+            return []
+        events = (
+            []
+            if isinstance(self._open, ReasoningOutput)
+            else self._add(ReasoningOutput(id=new_id("rs"), content=[ReasoningText()]))
+        )
+        item = self._open
+        assert isinstance(item, ReasoningOutput)
+        item.content[0].text += delta
+        events.append(self._event("response.reasoning_text.delta", **self._where(),
+                                  content_index=0, delta=delta))  # fmt: skip
+        return events
+
     def call(self, call_id: str, name: str) -> list[Event]:
         return self._add(FunctionCallOutput(id=new_id("fc"), call_id=call_id, name=name))
 
@@ -103,7 +125,9 @@ class ResponseBuilder:
     def finish(self, finish_reason: str | None, usage: Usage | None) -> list[Event]:
         """The last events: ``stop`` completes the response; ``length`` (max_output_tokens or
         the context window) leaves it incomplete, as does an abort."""
-        events = [] if self.response.output else self._open_message()  # never an empty output
+        # Never an empty output, nor one with no message: a thinking-only answer gets one.
+        messages = any(not isinstance(i, ReasoningOutput) for i in self.response.output)
+        events = [] if messages else self._open_message()
         complete = finish_reason == "stop"
         events += self._close("completed" if complete else "incomplete")
         self.response.status = "completed" if complete else "incomplete"
@@ -131,11 +155,11 @@ class ResponseBuilder:
                                   part=part))  # fmt: skip
         return events
 
-    def _add(self, item: OutputMessage | FunctionCallOutput) -> list[Event]:
+    def _add(self, item: OutputMessage | FunctionCallOutput | ReasoningOutput) -> list[Event]:
         events = self._close("completed")
         item_dump = dump(item)
-        if isinstance(item, OutputMessage):
-            item_dump["content"] = []  # its part is added by its own event
+        if isinstance(item, (OutputMessage, ReasoningOutput)):
+            item_dump["content"] = []  # its part is added by its own event / deltas
         self.response.output.append(item)
         self._open = item
         index = len(self.response.output) - 1
@@ -157,6 +181,9 @@ class ResponseBuilder:
                 self._event("response.content_part.done", **where, content_index=0,
                             part=dump(part)),
             ]  # fmt: skip
+        elif isinstance(item, ReasoningOutput):
+            events = [self._event("response.reasoning_text.done", **where, content_index=0,
+                                  text=item.content[0].text)]  # fmt: skip
         else:
             events = [self._event("response.function_call_arguments.done", **where,
                                   name=item.name, arguments=item.arguments)]  # fmt: skip

@@ -13,6 +13,7 @@ request (streaming.outputs / until_disconnect, as for chat).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailedError
+from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints.http_guards import check_api_key
 from tinyserve.entrypoints.protocol import ErrorResponse, OpenAIError, dump
 from tinyserve.entrypoints.protocol_responses import (
@@ -47,6 +49,7 @@ from tinyserve.outputs import Usage
 @dataclass
 class ResponsesJob(Job):
     builder: ResponseBuilder | None = None
+    splitter: R.ReasoningSplitter | None = None  # a thinking model's answer (reasoning.py)
 
 
 class ResponsesServing(OpenAIServing):
@@ -70,8 +73,14 @@ class ResponsesServing(OpenAIServing):
         )
         response_id = new_id("resp")
         builder = ResponseBuilder(response_head(req, response_id, self.model_name))
+        splitter = None
+        if self.thinks(None):
+            opened = R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
+            splitter = R.ReasoningSplitter(opened)
+            gate = R.grammar_gate(self.tokenizer, opened) if so is not None else None
+            params.structured_outputs = dataclasses.replace(so, **gate) if gate else so
         return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
-                            builder=builder)  # fmt: skip
+                            builder=builder, splitter=splitter)  # fmt: skip
 
     def api_error(self, e: OpenAIError) -> OpenAIError:
         """A 400 naming ``max_tokens`` names this API's field, max_output_tokens."""
@@ -84,23 +93,22 @@ class ResponsesServing(OpenAIServing):
         self, job: ResponsesJob, choices: list[Choice], usage: Usage | None
     ) -> dict[str, Any]:
         (choice,) = choices
-        # The whole text through the stream's parser: the same items as when streamed.
+        # The whole text through the stream's parsers: the same items as when streamed.
         parser = self.tool_stream() if job.tools else None
-        for delta in stream_deltas(parser, choice.text, choice.finish_reason):
-            job.builder.chat_delta(delta)
+        list(_answer_events(job, parser, choice.text, choice.finish_reason))  # events dropped
         job.builder.finish(choice.finish_reason, usage)
         return dump(job.builder.response)
 
     def sse_response(self, job: ResponsesJob, stream: OutputStream) -> Response:
         parser = self.tool_stream() if job.tools else None
-        return sse(self._events(job.builder, stream, parser), self.shutdown_grace_period,
-                   typed=True)  # fmt: skip
+        return sse(self._events(job, stream, parser), self.shutdown_grace_period, typed=True)
 
     async def _events(
-        self, builder: ResponseBuilder, stream: OutputStream, parser: Any
+        self, job: ResponsesJob, stream: OutputStream, parser: Any
     ) -> AsyncIterator[Event]:
         """The typed events; ``parser`` (a tool_stream parser, with tools) turns the text into
         content and call deltas as the chat stream does (``_deltas``)."""
+        builder = job.builder
         for event in builder.start():
             yield event
         finish, usage = None, None
@@ -108,15 +116,27 @@ class ResponsesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage = out.usage or usage
                 finish = finish_reason_of(out)
-                for delta in stream_deltas(parser, out.text_delta, finish):
-                    for event in builder.chat_delta(delta):
-                        yield event
+                for event in _answer_events(job, parser, out.text_delta, finish):
+                    yield event
         except (RequestFailedError, EngineDeadError) as e:
             for event in builder.fail(engine_error(e)):
                 yield event
             return
         for event in builder.finish(finish, usage):
             yield event
+
+
+def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None):
+    """A piece of the answer's text as the builder's events: its thinking (with a splitter)
+    as reasoning, the rest through the tool parser as content and calls."""
+    if job.splitter is not None:
+        reasoning, text = job.splitter.feed(text)
+        if finish is not None:
+            more = job.splitter.finish()
+            reasoning, text = reasoning + more[0], text + more[1]
+        yield from job.builder.reasoning(reasoning)
+    for delta in stream_deltas(parser, text, finish):
+        yield from job.builder.chat_delta(delta)
 
 
 def _body_size(raw: Request) -> int:

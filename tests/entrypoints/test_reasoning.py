@@ -22,6 +22,7 @@ ANSWERS = [
     ("<think>cut before it closed", "cut before it closed", None),
     ("<think></think>\n\n", "", None),
     ("<thin", None, "<thin"),
+    ("<think>", "", None),  # max_tokens 1: the block opened, nothing in it yet
     ("", None, None),
 ]  # fmt: skip
 
@@ -128,3 +129,28 @@ def test_responses_api_gives_the_thinking_a_reasoning_item(fake_server):
         assert (thinking, text) == ("\nThe user wants 2+2.", "It is 4.")
         done = [e for e in events if e.type == "response.completed"][0].response
         assert [i.type for i in done.output] == ["reasoning", "message"]
+
+
+def test_a_reasoning_item_sent_back_is_the_next_assistant_turns_thinking():
+    from tinyserve.entrypoints.protocol_responses import chat_messages
+
+    items = [{"type": "message", "role": "user", "content": "weather?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "use the tool"}]},
+             {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]  # fmt: skip
+    messages = chat_messages(items, None)
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].reasoning_content == "use the tool" and messages[1].tool_calls
+
+
+def test_the_fields_only_chat_takes_are_400s_elsewhere(fake_server):
+    with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+        r = c.post("/v1/responses", json={"input": "hi", **kwargs})
+        assert_error(r, 400, "chat_template_kwargs")
+        r = c.post("/v1/completions", json={"prompt": "hi", **kwargs})
+        assert_error(r, 400, "chat_template_kwargs")
+        r = c.post("/v1/responses", json={"input": "hi", "prediction": {"type": "content",
+                                                                          "content": "x"}})  # fmt: skip
+        assert_error(r, 400, "prediction")

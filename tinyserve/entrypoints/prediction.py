@@ -23,6 +23,8 @@ def prediction_ids(req, tokenizer) -> tuple[int, ...]:
         raise bad_request("prediction: content must not be empty", "prediction")
     if req.n != 1:
         raise bad_request("prediction: not supported with n > 1", "prediction")
+    if len(text) > 8 * MAX_PREDICTION_TOKENS:  # before tokenizing it on the event loop
+        raise bad_request(f"prediction: over {8 * MAX_PREDICTION_TOKENS} characters", "prediction")
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > MAX_PREDICTION_TOKENS:
         raise bad_request(

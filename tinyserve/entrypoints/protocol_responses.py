@@ -137,10 +137,16 @@ class _FunctionCallOutputItem(_Request):
     output: str | list[_ContentPart]
 
 
+class _ReasoningItem(_Request):  # an earlier answer's thinking, sent back with its output
+    type: Literal["reasoning"]
+    content: list[dict[str, Any]] | None = None  # [{"type": "reasoning_text", "text": ...}]
+
+
 _ITEMS: dict[str, type[_Request]] = {
     "message": _MessageItem,
     "function_call": _FunctionCallItem,
     "function_call_output": _FunctionCallOutputItem,
+    "reasoning": _ReasoningItem,
 }
 _TEXT_PARTS = ("input_text", "output_text")
 
@@ -152,8 +158,13 @@ def chat_messages(input: str | list[dict[str, Any]], instructions: str | None) -
         return [*messages, ChatMessage(role="user", content=input)]
     if not input:
         raise bad_request("input: must not be empty", "input")
+    thinking = None  # a reasoning item's text, for the assistant turn that follows it
     for i, raw in enumerate(input):
         item = _parse_item(raw, f"input[{i}]")
+        if isinstance(item, _ReasoningItem):
+            parts = item.content or []
+            thinking = "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
+            continue
         if isinstance(item, _MessageItem):
             content = _text_parts(item.content, f"input[{i}].content")
             messages.append(ChatMessage(role=item.role, content=content))
@@ -168,6 +179,8 @@ def chat_messages(input: str | list[dict[str, Any]], instructions: str | None) -
         else:
             output = _text_parts(item.output, f"input[{i}].output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=item.call_id))
+        if thinking is not None and messages[-1].role == "assistant":  # the template's call
+            messages[-1].reasoning_content, thinking = thinking or None, None
     return messages
 
 
@@ -177,7 +190,7 @@ def _parse_item(raw: dict[str, Any], where: str) -> _Request:
     if model is None:
         raise bad_request(
             f"{where}.type: {kind!r} is not supported (this server takes message, "
-            "function_call and function_call_output items)",
+            "function_call, function_call_output and reasoning items)",
             f"{where}.type",
         )
     try:

@@ -66,7 +66,7 @@ class ReasoningSplitter:
         text, self._held = self._held + delta, ""
         if self._state == "undecided":
             body = text.lstrip()
-            if THINK_START.startswith(body):  # "" or a prefix of "<think>": not decided yet
+            if len(body) < len(THINK_START) and THINK_START.startswith(body):  # not decided yet
                 self._held = text
                 return "", ""
             if body.startswith(THINK_START):

@@ -61,6 +61,9 @@ REJECTED = {
     "logits_processors": "custom logits processors are not supported",
     "guided_whitespace_pattern": "not supported",
     "chat_template": "a per-request chat template is not accepted: the model's own is used",
+    # Declared by /v1/chat/completions (both) and /v1/completions (prediction): elsewhere a 400.
+    "chat_template_kwargs": "only /v1/chat/completions takes chat_template_kwargs",
+    "prediction": "only /v1/chat/completions and /v1/completions take a prediction",
     "continue_final_message": "not supported",
     "echo": "echo is a completions field",
     "documents": "not supported",

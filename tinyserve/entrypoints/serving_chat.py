@@ -58,7 +58,10 @@ class ChatServing(OpenAIServing):
         opened = thinks and R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
         if thinks and so is not None:  # the grammar starts after the thinking block
             gate = R.grammar_gate(self.tokenizer, opened)
-            params.structured_outputs = dataclasses.replace(so, **gate) if gate else so
+            if gate:
+                params.structured_outputs = dataclasses.replace(so, **gate)
+            else:  # the grammar holds from the first token: no thinking to split off
+                thinks = opened = False
         return ChatJob(
             f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -74,11 +74,12 @@ class ResponsesServing(OpenAIServing):
         response_id = new_id("resp")
         builder = ResponseBuilder(response_head(req, response_id, self.model_name))
         splitter = None
-        if self.thinks(None):
+        if self.thinks(None):  # as chat: the grammar after the block, or no split at all
             opened = R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
-            splitter = R.ReasoningSplitter(opened)
-            gate = R.grammar_gate(self.tokenizer, opened) if so is not None else None
-            params.structured_outputs = dataclasses.replace(so, **gate) if gate else so
+            gate = R.grammar_gate(self.tokenizer, opened) if so is not None else {}
+            splitter = R.ReasoningSplitter(opened) if gate is not None else None
+            if gate:
+                params.structured_outputs = dataclasses.replace(so, **gate)
         return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
                             builder=builder, splitter=splitter)  # fmt: skip
 

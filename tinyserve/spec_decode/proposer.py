@@ -109,6 +109,7 @@ class NgramProposer:
         tokens to compute (within ``budget``), its tokens one per decoding request; each
         request's drafts (``drafts``) are added to it in turn. Nothing to count in a step
         too big to draft in."""
+        self._step = None
         if len(running) > self.config.max_batch_size:
             return
         rows = tokens = 0

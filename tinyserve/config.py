@@ -186,7 +186,9 @@ class ModelConfig:
         except TypeError as e:
             raise ValueError(f"{where}: GGUF metadata lacks a model dimension ({e})") from e
         tokens = fields.get("tokenizer.ggml.tokens")
-        vocab = fields.get(f"{a}.vocab_size") or (len(tokens) if tokens else None)
+        # The token list's length (gguf_file.py reads it as an ArrayLen, an int, not the list).
+        num_tokens = (int(tokens) if isinstance(tokens, int) else len(tokens)) if tokens else None
+        vocab = fields.get(f"{a}.vocab_size") or num_tokens
         if vocab is None:
             vocab = tensor_shapes["token_embd.weight"][0]
         head_dim = int(fields.get(f"{a}.attention.key_length") or hidden // num_heads)

@@ -175,3 +175,17 @@ def test_gguf_equals_safetensors_and_quantised_blocks_serve(name, tmp_path):
     hf.load_state_dict({**hf.state_dict(), **exact})
     got = PagedRunner(q, BLOCK_SIZE, num_blocks=16).step([("s", tokens)])[0]
     torch.testing.assert_close(got, hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+def test_a_gguf_without_a_vocab_size_key_takes_its_token_lists_length(tmp_path):
+    """llama.cpp's converter writes no {arch}.vocab_size for most families: the vocabulary
+    is the tokenizer's token list (read without its strings)."""
+    from tinyserve.models.gguf_checkpoint import GGUFCheckpoint
+    from tinyserve.testing.gguf_writer import write_gguf
+
+    hf = build_hf(tiny_config("qwen3"))
+    vocab = hf.config.vocab_size
+    write_gguf(hf, tmp_path / "t.gguf", {},
+               extra=lambda w: w.add_token_list([f"t{i}" for i in range(vocab)]))  # fmt: skip
+    config, _ = GGUFCheckpoint(tmp_path / "t.gguf").config_and_rope()
+    assert config.vocab_size == vocab

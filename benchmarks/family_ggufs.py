@@ -42,32 +42,6 @@ Q4_1_MIX = {p: "Q4_1" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ff
                                  "ffn_up", "ffn_down")} | {"token_embd": "Q8_0"}  # fmt: skip
 
 
-def tokenizer_fields(default_gguf: Path):
-    """A writer callback adding the default GGUF's tokenizer.* fields."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(default_gguf))
-    fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-
-    def add(w) -> None:
-        for key, f in fields.items():
-            kind = f.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                values = [f.parts[i] for i in f.data]
-                if f.types[1] == gguf.GGUFValueType.STRING:
-                    w.add_array(key, [bytes(v).decode("utf-8") for v in values])
-                else:
-                    w.add_array(key, [int(v[0]) for v in values])
-            elif kind == gguf.GGUFValueType.STRING:
-                w.add_string(key, bytes(f.parts[f.data[0]]).decode("utf-8"))
-            elif kind == gguf.GGUFValueType.BOOL:
-                w.add_bool(key, bool(f.parts[f.data[0]][0]))
-            else:
-                w.add_uint32(key, int(f.parts[f.data[0]][0]))
-
-    return add
-
-
 def build(family: str, out_dir: Path, add_tokenizer) -> Path:
     import transformers
 
@@ -97,6 +71,8 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=Path.home() / ".cache/tinyserve/families")
     p.add_argument("--families", default=",".join(SHAPES))
     args = p.parse_args()
+    from tinyserve.models.gguf_tokenizer import tokenizer_fields
+
     add = tokenizer_fields(default_gguf_path())
     for family in args.families.split(","):
         print(build(family, args.out_dir, add))

@@ -189,3 +189,21 @@ def test_a_gguf_without_a_vocab_size_key_takes_its_token_lists_length(tmp_path):
                extra=lambda w: w.add_token_list([f"t{i}" for i in range(vocab)]))  # fmt: skip
     config, _ = GGUFCheckpoint(tmp_path / "t.gguf").config_and_rope()
     assert config.vocab_size == vocab
+
+
+def test_the_tokenizer_of_a_family_gguf_transformers_cannot_read(
+    tmp_path, smollm2_gguf_path, smollm2_tokenizer
+):
+    """transformers' GGUF reader refuses granite and smollm3 files before it looks at their
+    tokenizer; the loader converts it from the tokenizer fields alone (models/gguf_tokenizer.py)."""
+    from tinyserve.models.gguf_tokenizer import tokenizer_fields
+    from tinyserve.models.loader import load_tokenizer, resolve_model_source
+    from tinyserve.testing.gguf_writer import write_gguf
+
+    path = tmp_path / "granite.gguf"
+    write_gguf(
+        build_hf(tiny_config("granite")), path, {}, extra=tokenizer_fields(smollm2_gguf_path)
+    )
+    tok = load_tokenizer(resolve_model_source(str(path)))
+    text = "Hello, world! <|im_start|>user"
+    assert tok.encode(text) == smollm2_tokenizer.encode(text)

@@ -123,7 +123,16 @@ def convert_gguf_tokenizer(gguf_path: Path, tok_dir: Path):
     from transformers import AutoTokenizer
 
     logger.info("converting the tokenizer of %s (once)", gguf_path.name)
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as e:  # an architecture transformers' GGUF reader does not know
+        if "not supported" not in str(e):
+            raise
+        from tinyserve.models.gguf_tokenizer import tokenizer_only_gguf
+
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            only = tokenizer_only_gguf(gguf_path, Path(tmp_dir) / "tokenizer.gguf")
+            tok = AutoTokenizer.from_pretrained(tmp_dir, gguf_file=only.name)
     tmp = tok_dir.with_name(tok_dir.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tok.save_pretrained(str(tmp))

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tinyserve.utils.model_families import gguf_family_fields, hf_family_fields
+
 # HF ``architectures`` name -> the module of tinyserve/models/ that defines its model class
 # (models/registry.py). A new family is that one file plus a line here.
 ARCHITECTURES = {
@@ -31,8 +33,6 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM"}  # GGUF: Mistral is "llama"
 # GGUF architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel family).
 GGUF_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
-# SmolLM3 in GGUF: every 4th layer without RoPE (llama.cpp's n_no_rope_layer_step; no key).
-SMOLLM3_NO_ROPE_STEP = 4
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -168,7 +168,7 @@ class ModelConfig:
             attention_bias=bool(attention_bias),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            **_family_fields(cfg, arch),
+            **hf_family_fields(cfg, arch),
         )
 
     @classmethod
@@ -199,15 +199,6 @@ class ModelConfig:
                 "factor": float(fields.get(f"{a}.rope.scaling.factor")),
             }
         eos = fields.get("tokenizer.ggml.eos_token_id")
-        family: dict[str, Any] = {}
-        if a == "granite":  # the converter's names for the four multipliers
-            keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier":
-                    "residual_scale", "attention_multiplier": "attention.scale",
-                    "logits_scaling": "logit_scale"}  # fmt: skip
-            family = {k: float(fields[f"{a}.{g}"]) for k, g in keys.items() if f"{a}.{g}" in fields}
-        if a == "smollm3":
-            step = SMOLLM3_NO_ROPE_STEP
-            family["no_rope_layers"] = tuple(int((i + 1) % step != 0) for i in range(num_layers))
         return cls(
             architecture=MODEL_TYPES[a],
             vocab_size=int(vocab),
@@ -225,29 +216,8 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
-            **family,
+            **gguf_family_fields(fields, a, num_layers),
         )
-
-
-def _family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The fields after ``eos_token_ids`` from a config.json: each where its family sets it.
-    A ``sliding_window`` counts only where the config turns it on (Qwen2 and Qwen3 carry one
-    with ``use_sliding_window: false``; ``layer_types`` without a sliding layer)."""
-    out: dict[str, Any] = {}
-    if cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias: MLP biases are not supported (no served family has them)")
-    window = cfg.get("sliding_window")
-    windowed = "sliding_attention" in (cfg.get("layer_types") or ["sliding_attention"])
-    if window is not None and cfg.get("use_sliding_window", True) and windowed:
-        out["sliding_window"] = int(window)
-    if cfg.get("no_rope_layers") is not None:
-        out["no_rope_layers"] = tuple(int(x) for x in cfg["no_rope_layers"])
-    if arch == "GraniteForCausalLM":
-        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
-            out[name] = float(cfg.get(name, 1.0))
-        if cfg.get("attention_multiplier") is not None:
-            out["attention_multiplier"] = float(cfg["attention_multiplier"])
-    return out
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")

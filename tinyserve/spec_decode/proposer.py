@@ -94,6 +94,17 @@ def best_draft_length(
     return best_k, best_gain
 
 
+def _step_before_drafts(running: list[Request], budget: int) -> list[float]:
+    """[rows, tokens] of a step before drafts: each request's tokens to compute (within
+    ``budget``), one expected token per decoding request."""
+    rows = tokens = 0
+    for request in running:
+        left = request.num_tokens - request.num_computed_tokens
+        rows += left
+        tokens += left == 1
+    return [min(rows, budget), tokens]
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, ngram: bool = True):
         self.config = config
@@ -103,21 +114,20 @@ class NgramProposer:
         self.cost = StepCostModel()
         self._state: dict[str, _RequestState] = {}
         self._step: list[float] | None = None  # [rows, expected tokens] of the step so far
+        self._opened: tuple[list[Request], int] | None = None  # a step not counted yet
 
     def begin_step(self, running: list[Request], budget: int) -> None:
         """A step is being scheduled for ``running``: its rows before drafts are their
         tokens to compute (within ``budget``), its tokens one per decoding request; each
         request's drafts (``drafts``) are added to it in turn. Nothing to count in a step
         too big to draft in."""
-        self._step = None
+        self._step = self._opened = None
         if len(running) > self.config.max_batch_size:
             return
-        rows = tokens = 0
-        for request in running:
-            left = request.num_tokens - request.num_computed_tokens
-            rows += left
-            tokens += left == 1
-        self._step = [min(rows, budget), tokens]
+        if not self.ngram:  # predictions only: counted at the first one's drafts, if any
+            self._opened = (list(running), budget)
+            return
+        self._step = _step_before_drafts(running, budget)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """The engine ran a step of ``rows`` scheduled tokens in ``seconds``."""
@@ -142,6 +152,8 @@ class NgramProposer:
             return self._propose(request, k)
         state = self._state.setdefault(request.request_id, _RequestState())
         # Outside a scheduled step (no begin_step): a step of the running requests alone.
+        if self._step is None and self._opened is not None:
+            self._step, self._opened = _step_before_drafts(*self._opened), None
         step = self._step if self._step is not None else [num_running, num_running]
         rows, tokens = step
         p = state.acceptance

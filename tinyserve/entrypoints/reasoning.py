@@ -22,6 +22,7 @@ An answer cut inside its thinking (``max_tokens``) is all reasoning and no conte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -87,6 +88,14 @@ class ReasoningSplitter:
             self._strip = not text
         return reasoning, text
 
+    def step(self, delta: str, finished: bool) -> tuple[str, str]:
+        """``feed``, and at the answer's end what was still held back, in one pair."""
+        reasoning, content = self.feed(delta)
+        if finished:
+            more = self.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What is still held back, at the end of the answer."""
         held, self._held = self._held, ""
@@ -98,11 +107,25 @@ class ReasoningSplitter:
 def split_reasoning(text: str, thinking: bool = False) -> tuple[str | None, str | None]:
     """A finished answer -> (reasoning_content, content); None where there is none."""
     s = ReasoningSplitter(thinking)
-    r1, c1 = s.feed(text)
-    r2, c2 = s.finish()
-    reasoning, content = r1 + r2, c1 + c2
+    reasoning, content = s.step(text, finished=True)
     had_block = thinking or text.lstrip().startswith(THINK_START)
     return (reasoning if had_block else None), (content or None)
+
+
+def split_or_gate(tokenizer, prompt_ids: list[int], params) -> bool | None:
+    """For an answer whose thinking is split off: None when it should not be after all (a
+    grammar that holds from the first token, the tags not being single tokens), else whether
+    the prompt opened the block; a constrained request's grammar is gated to start after
+    ``</think>`` (``params.structured_outputs`` replaced)."""
+    opened = prompt_opens_thinking(tokenizer.decode(prompt_ids[-8:]))
+    so = params.structured_outputs
+    if so is None:
+        return opened
+    gate = grammar_gate(tokenizer, opened)
+    if gate is None:
+        return None
+    params.structured_outputs = dataclasses.replace(so, **gate)
+    return opened
 
 
 def grammar_gate(tokenizer, opened: bool) -> dict | None:

@@ -5,7 +5,6 @@ shared steps are serving.py's."""
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,19 +53,15 @@ class ChatServing(OpenAIServing):
             input_size(req.messages), self.chat_prompt_ids, req.messages,
             req.add_generation_prompt, tools, req.tool_choice, req.chat_template_kwargs,
         )  # fmt: skip
-        thinks = self.thinks(req.chat_template_kwargs)
-        opened = thinks and R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
-        if thinks and so is not None:  # the grammar starts after the thinking block
-            gate = R.grammar_gate(self.tokenizer, opened)
-            if gate:
-                params.structured_outputs = dataclasses.replace(so, **gate)
-            else:  # the grammar holds from the first token: no thinking to split off
-                thinks = opened = False
+        opened = None
+        if self.thinks(req.chat_template_kwargs):
+            opened = R.split_or_gate(self.tokenizer, prompt_ids, params)
+        thinks = opened is not None
         return ChatJob(
             f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
-            tools=tools, thinks=thinks, thinking_open=opened,
+            tools=tools, thinks=thinks, thinking_open=bool(opened),
         )  # fmt: skip
 
     def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
@@ -119,10 +114,7 @@ class ChatServing(OpenAIServing):
         splitter = job.splitters.get(out.index)
         if splitter is None:
             splitter = job.splitters[out.index] = R.ReasoningSplitter(job.thinking_open)
-        reasoning, content = splitter.feed(out.text_delta)
-        if finish is not None:
-            more = splitter.finish()
-            reasoning, content = reasoning + more[0], content + more[1]
+        reasoning, content = splitter.step(out.text_delta, finish is not None)
         chunks = (
             [_chunk(head, out.index, {"reasoning_content": reasoning}, lp)] if reasoning else []
         )

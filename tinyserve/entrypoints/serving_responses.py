@@ -13,7 +13,6 @@ request (streaming.outputs / until_disconnect, as for chat).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -75,11 +74,8 @@ class ResponsesServing(OpenAIServing):
         builder = ResponseBuilder(response_head(req, response_id, self.model_name))
         splitter = None
         if self.thinks(None):  # as chat: the grammar after the block, or no split at all
-            opened = R.prompt_opens_thinking(self.tokenizer.decode(prompt_ids[-8:]))
-            gate = R.grammar_gate(self.tokenizer, opened) if so is not None else {}
-            splitter = R.ReasoningSplitter(opened) if gate is not None else None
-            if gate:
-                params.structured_outputs = dataclasses.replace(so, **gate)
+            opened = R.split_or_gate(self.tokenizer, prompt_ids, params)
+            splitter = R.ReasoningSplitter(opened) if opened is not None else None
         return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
                             builder=builder, splitter=splitter)  # fmt: skip
 
@@ -131,10 +127,7 @@ def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None
     """A piece of the answer's text as the builder's events: its thinking (with a splitter)
     as reasoning, the rest through the tool parser as content and calls."""
     if job.splitter is not None:
-        reasoning, text = job.splitter.feed(text)
-        if finish is not None:
-            more = job.splitter.finish()
-            reasoning, text = reasoning + more[0], text + more[1]
+        reasoning, text = job.splitter.step(text, finish is not None)
         yield from job.builder.reasoning(reasoning)
     for delta in stream_deltas(parser, text, finish):
         yield from job.builder.chat_delta(delta)

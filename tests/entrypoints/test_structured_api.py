@@ -107,7 +107,7 @@ def test_choice_and_json_object(server):
     "extra, param, words",
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-          "schema": {"not": {"type": "string"}}}}}, "response_format", "'not'"),
+          "schema": {"$dynamicRef": "#meta"}}}}, "response_format", "'$dynamicRef'"),
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
          "exactly one"),
@@ -123,3 +123,25 @@ def test_bad_specs_are_400s_and_the_server_goes_on(server, extra, param, words):
     err = r.json()["error"]
     assert words in err["message"] and (err["param"] == param or param in err["message"])
     assert httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).status_code == 200
+
+
+def test_an_answer_breaking_a_keyword_checked_after_is_a_400_streamed_or_not(server):
+    """uniqueItems is no grammar's: the answer is checked after generation. This schema's
+    grammar allows only [1, 1], so the check fails: a 400 naming the field and the keyword
+    (not a 200 with an invalid answer); streamed, an error event after the tokens."""
+    schema = {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2,
+              "uniqueItems": True}  # fmt: skip
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "two ones"}],
+            "max_tokens": 20, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "pair", "schema": schema}}}  # fmt: skip
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith("response_format") and "'uniqueItems'" in err["message"]
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json={**body, "stream": True},
+                      timeout=60) as s:  # fmt: skip
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert errors and "'uniqueItems'" in errors[0]["message"], events[-3:]
+    plain = {k: v for k, v in body.items() if k != "response_format"}
+    assert httpx.post(server.url("/v1/chat/completions"), json=plain, timeout=60).status_code == 200

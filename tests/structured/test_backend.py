@@ -155,12 +155,12 @@ def test_apply_bitmask_matches_a_per_token_loop():
     "spec, message",
     [
         (
-            StructuredOutputSpec.json_schema({"not": {"type": "string"}}),
-            "response_format: unsupported JSON schema keyword 'not'",
+            StructuredOutputSpec.json_schema({"$dynamicRef": "#x"}),
+            "response_format: unsupported JSON schema keyword '$dynamicRef'",
         ),
         (
-            StructuredOutputSpec.json_schema({"type": "object", "if": {}, "then": {}}),
-            "response_format: unsupported JSON schema keywords 'if', 'then'",
+            StructuredOutputSpec.json_schema({"$dynamicRef": "#x", "$recursiveRef": "#"}),
+            "response_format: unsupported JSON schema keywords '$dynamicRef', '$recursiveRef'",
         ),
         (
             StructuredOutputSpec.json_schema({"$ref": "#/$defs/missing"}),

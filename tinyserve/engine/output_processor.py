@@ -17,12 +17,14 @@ The server, the streaming layer and the offline ``LLM`` read ``StepOutput.index`
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
 from tinyserve.outputs import ModelRunnerOutput, StepOutput, Usage
 from tinyserve.request import Request, RequestStatus
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.structured.schema_approx import final_check, needs_final_check
 
 
 def as_prompts(prompt: list[int] | list[list[int]]) -> list[list[int]]:
@@ -143,6 +145,8 @@ class OutputProcessor:
                 out = self._error_output(parent, req)
             else:
                 out = self._token_output(parent, req, runner_out, result.stop_string_ids)
+                if out.finish_reason == "stop" and out.stop_reason is None:
+                    out = self._final_check(req, out)
             if out.finish_reason is not None:
                 self._finish_child(parent, req.request_id, out)
             result.outputs.append(out)
@@ -190,6 +194,25 @@ class OutputProcessor:
             stop_reason=stop_reason,
             prompt_logprobs=prompt_lps,
         )
+
+    def _final_check(self, req: Request, out: StepOutput) -> StepOutput:
+        """A JSON answer its grammar ended, whose schema has keywords the grammar only narrows
+        or drops (structured/schema_approx.py), validated against the schema as written; an
+        invalid one becomes the request's error (a 400 naming the field), never a 200."""
+        so = req.sampling_params.structured_outputs
+        if so is None or so.json is None or self.tokenizer is None:
+            return out
+        schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+        if not needs_final_check(schema):
+            return out
+        ids = req.output_token_ids
+        if so.think_end_id is not None and so.think_end_id in ids:
+            ids = ids[len(ids) - ids[::-1].index(so.think_end_id) :]  # the answer after </think>
+        why = final_check(schema, self.tokenizer.decode(ids, skip_special_tokens=True))
+        if why is None:
+            return out
+        return dataclasses.replace(out, finish_reason="error", error=f"{so.field}: {why}",
+                                   error_param=so.field)  # fmt: skip
 
     @staticmethod
     def _error_output(parent: ParentRequest, req: Request) -> StepOutput:

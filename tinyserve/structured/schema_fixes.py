@@ -19,18 +19,26 @@ from __future__ import annotations
 
 import math
 
+from tinyserve.structured.schema_approx import approximate
+
 # Keys whose values are data, not subschemas: never rewritten.
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
 _REL_EPS = 1e-9
 
 
 def fix_schema(schema):
-    """``schema`` with the rewrites applied (a new object; the input is not changed)."""
+    """``schema`` with the rewrites applied (a new object; the input is not changed): the
+    keywords the library does not implement narrowed or dropped (schema_approx.py), then
+    the library's bugs worked around."""
+    return _fix(approximate(schema))
+
+
+def _fix(schema):
     if isinstance(schema, list):
-        return [fix_schema(s) for s in schema]
+        return [_fix(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA_KEYS else fix_schema(v)) for k, v in schema.items()}
+    out = {k: (v if k in _DATA_KEYS else _fix(v)) for k, v in schema.items()}
     if out.get("type") != "integer":
         _tighten(out, "exclusiveMinimum", "minimum", ("maximum", "exclusiveMaximum"), +1)
         _tighten(out, "exclusiveMaximum", "maximum", ("minimum", "exclusiveMinimum"), -1)

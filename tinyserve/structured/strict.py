@@ -4,10 +4,7 @@ Torch-free. Applied to tool parameters by default (entrypoints/tools.py; the ser
 
 from __future__ import annotations
 
-# Keywords whose values are schemas, or maps / lists of schemas.
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+from tinyserve.structured.schema_approx import map_subschemas
 
 
 def closed_objects(schema):
@@ -19,18 +16,7 @@ def closed_objects(schema):
         return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    if isinstance(out.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    out = map_subschemas(schema, closed_objects)
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.utils.model_families import gguf_family_fields, hf_family_fields
+from tinyserve.utils.model_families import gguf_family_fields, hf_family_fields, hf_rope
 
 # HF ``architectures`` name -> the module of tinyserve/models/ that defines its model class
 # (models/registry.py). A new family is that one file plus a line here.
@@ -24,16 +24,17 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4-mini
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # HF ``model_type`` / GGUF ``general.architecture`` -> architecture.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM",
-               "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
+               "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
 HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM"}  # GGUF: Mistral is "llama"
 # GGUF architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel family).
 GGUF_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")  # longrope: Phi-3 only
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Phi-3: RoPE rotates the first head_dim * partial_rotary_factor dims of each head only.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -108,12 +111,22 @@ class ModelConfig:
                 f"model config: rope scaling type {rope_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        phi3 = self.architecture == "Phi3ForCausalLM"  # what models/phi3.py serves
+        if (rope_type == "longrope" or self.rotary_dim != self.head_dim) and not phi3:
+            raise ValueError("model config: longrope and partial_rotary_factor: Phi-3 only")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"model config: rotary dims {self.rotary_dim} of {self.head_dim}")
 
     @property
     def rope_type(self) -> str:
         if not self.rope_scaling:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -136,16 +149,7 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        # transformers 5 moved rope_theta and rope_scaling into "rope_parameters".
-        rope_params = dict(cfg.get("rope_parameters") or {})
-        rope_scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
-            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
-        if rope_scaling is not None and rope_scaling.get("rope_type") == "default":
-            rope_scaling = None
+        rope_theta, rope_scaling = hf_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = cfg.get("attention_bias")

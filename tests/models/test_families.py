@@ -15,7 +15,7 @@ from tinyserve.config import ModelConfig
 from tinyserve.kernels import attention
 from tinyserve.models.loader import load_model
 from tinyserve.testing.checkpoints import build_hf, hf_logits, random_tokens, save_hf, tiny_config
-from tinyserve.testing.paged_runner import PagedRunner
+from tinyserve.testing.paged_runner import PagedRunner, batched_and_alone
 from tinyserve.worker.executor import resolve_max_model_len
 
 FAMILIES = ["qwen3", "mistral", "granite", "smollm3"]
@@ -50,17 +50,8 @@ def test_prefill_and_teacher_forced_decode_match_transformers(family, kernels):
 def test_a_batched_step_gives_each_sequence_its_logits_alone_bitwise(family):
     name, path, _ = family
     ours, _ = load_model(path, dtype=torch.float32)
-    a, b = random_tokens(13, seed=1), random_tokens(9, seed=2)
-    plan = {"a": [a[:8], a[8:9], a[9:13]], "b": [b[:3], b[3:8], b[8:9]]}
-    alone = {}
-    for seq, chunks in plan.items():
-        runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=32, seed=ord(seq))
-        alone[seq] = [runner.step([(seq, c)])[0] for c in chunks]
-    runner = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=5)
-    for step, order in enumerate([["a", "b"], ["b", "a"], ["a", "b"]]):
-        out = runner.step([(s, plan[s][step]) for s in order])
-        for s, logits in zip(order, out, strict=True):
-            assert torch.equal(logits, alone[s][step]), f"{name} seq {s} step {step}"
+    for label, batched, alone in batched_and_alone(ours, BLOCK_SIZE):
+        assert torch.equal(batched, alone), f"{name} {label}"
 
 
 # What each family's feature is, turned off: the logits must then move.

@@ -5,6 +5,7 @@ The header itself is read by gguf_file.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -38,6 +39,13 @@ GGUF_TO_HF = {
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
+# Per GGUF architecture, tensors holding what one of our fused parameters holds, by the
+# checkpoint name of that fused tensor (Phi-3: q/k/v in attn_qkv, gate and up in ffn_up); the
+# model's ``checkpoint_tensors`` splits them as it splits the safetensors' own.
+GGUF_FUSED = {"phi3": {"blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+                       "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}  # fmt: skip
+# Tables, not weights: RoPE factors (llama3's rope_freqs; Phi-3's LongRoPE factors).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class GGUFCheckpoint:
@@ -68,7 +76,20 @@ class GGUFCheckpoint:
 
             factors = self._dequantize(self.tensors["rope_freqs.weight"])
             inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, None) / factors.float()
+        if "rope_factors_long.weight" in self.tensors:  # Phi-3's LongRoPE
+            config = dataclasses.replace(config, rope_scaling=self._longrope())
         return config, inv_freq
+
+    def _longrope(self) -> dict:
+        """LongRoPE as a config.json states it, from llama.cpp's factor tensors and keys."""
+        a, f = self.arch, self.file.fields
+        factors = {k: self._dequantize(self.tensors[f"rope_factors_{k[:-7]}.weight"]).tolist()
+                   for k in ("long_factor", "short_factor")}  # fmt: skip
+        scaling = {"rope_type": "longrope", **factors,
+                   "original_max_position_embeddings": f.get(f"{a}.rope.scaling.original_context_length")}  # fmt: skip
+        if f.get(f"{a}.rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(f[f"{a}.rope.scaling.attn_factor"])
+        return scaling
 
     def _dequantize(self, t) -> torch.Tensor:
         try:
@@ -81,9 +102,9 @@ class GGUFCheckpoint:
 
     def iter_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
         for name, t in self.tensors.items():
-            if name == "rope_freqs.weight":
+            if name in ROPE_TENSORS:
                 continue
-            hf_name = gguf_to_hf_name(name)
+            hf_name = gguf_to_hf_name(name, self.arch)
             if hf_name is None:
                 logger.warning("%s: ignoring unknown GGUF tensor %s", self.path.name, name)
                 continue
@@ -119,20 +140,21 @@ class GGUFCheckpoint:
                 return None
             return gemm.cat_rows(parts)
 
-        found = {}
+        found, one_tensor, order = {}, self.arch in GGUF_FUSED, net.qkv_row_order()
         for i in range(config.num_hidden_layers):
             b, prefix = f"blk.{i}.", f"model.layers.{i}."
-            found[prefix + "self_attn.qkv_proj"] = fused(
-                [
-                    blocks(b + "attn_q.weight", config.num_attention_heads),
-                    blocks(b + "attn_k.weight", config.num_key_value_heads),
-                    blocks(b + "attn_v.weight"),
-                ]
-            )
+            if one_tensor:  # q/k/v in one tensor, gate and up in ffn_up (Phi-3)
+                qkv, gate_up = blocks(b + "attn_qkv.weight"), blocks(b + "ffn_up.weight")
+            else:
+                qkv = fused([blocks(b + "attn_q.weight", config.num_attention_heads),
+                             blocks(b + "attn_k.weight", config.num_key_value_heads),
+                             blocks(b + "attn_v.weight")])  # fmt: skip
+                gate_up = fused([blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")])
+            if qkv is not None and order is not None:
+                qkv = qkv.take_rows(order)
+            found[prefix + "self_attn.qkv_proj"] = qkv
             found[prefix + "self_attn.o_proj"] = blocks(b + "attn_output.weight")
-            found[prefix + "mlp.gate_up_proj"] = fused(
-                [blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")]
-            )
+            found[prefix + "mlp.gate_up_proj"] = gate_up
             found[prefix + "mlp.down_proj"] = blocks(b + "ffn_down.weight")
         if config.tie_word_embeddings:
             found["model.embed_tokens"] = blocks("token_embd.weight")
@@ -141,14 +163,14 @@ class GGUFCheckpoint:
         return {k: v for k, v in found.items() if v is not None}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     base, _, suffix = name.rpartition(".")
     m = re.match(r"^blk\.(\d+)\.(.+)$", base)
     if m:
         key, i = f"blk.{{i}}.{m.group(2)}", m.group(1)
     else:
         key, i = base, None
-    hf = GGUF_TO_HF.get(key)
+    hf = GGUF_FUSED.get(arch, {}).get(key) or GGUF_TO_HF.get(key)
     if hf is None:
         return None
     return f"{hf.format(i=i)}.{suffix}"

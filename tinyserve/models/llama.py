@@ -3,10 +3,11 @@
 Llama, Qwen2 and Mistral differ only by config: q/k/v bias (Qwen2), tied or separate LM
 head, RoPE scaling. q/k/v and gate/up are fused into one matrix each (one GEMM instead of
 three/two); the loader's name table maps checkpoint tensors into the fused shards. Other
-families (qwen3.py, granite.py, smollm3.py) subclass these classes and override a hook:
-``LlamaAttention.normalize_qk`` / ``rotary``, ``LlamaDecoderLayer.branch``,
-``LlamaModel.embed``, ``LlamaForCausalLM.compute_logits``; its ``*_cls`` class attributes say
-which class each level builds. models/registry.py maps architecture names to the classes.
+families (qwen3.py, granite.py, smollm3.py, phi3.py) subclass these classes and override a
+hook: ``LlamaAttention.normalize_qk`` / ``rotary``, ``LlamaDecoderLayer.branch``,
+``LlamaModel.embed`` / ``build_rotary``, ``LlamaForCausalLM.compute_logits`` /
+``checkpoint_tensors`` / ``qkv_row_order``; its ``*_cls`` class attributes say which class
+each level builds. models/registry.py maps architecture names to the classes.
 
 How attention runs is one ``AttentionMethod`` object (layers/attention_method.py) the loader
 hands to ``set_attention_method``, as each linear layer gets its ``LinearMethod``; the fused
@@ -162,17 +163,17 @@ class LlamaModel(nn.Module):
             layer_cls(config, dtype, tp, i, attention_cls) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim,
-            max_position or config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            dtype,
-            inv_freq=rope_inv_freq,
+        self.rotary_emb = self.build_rotary(
+            config, max_position or config.max_position_embeddings, dtype, rope_inv_freq
         )
         # kernels/step.py: every layer in one C call, the same kernels as the loop below
         # (bitwise); the loader's, via LlamaForCausalLM.set_step_plan.
         self.step_plan = None
+
+    def build_rotary(self, config, max_position: int, dtype, inv_freq) -> RotaryEmbedding:
+        """Hook: the RoPE tables for positions [0, max_position) (Phi-3: partial, LongRoPE)."""
+        return RotaryEmbedding(config.head_dim, max_position, config.rope_theta,
+                               config.rope_scaling, dtype, inv_freq=inv_freq)  # fmt: skip
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook: the step's input rows [num_tokens, hidden] (Granite scales them)."""
@@ -258,6 +259,17 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in; the
         first ``num_decode`` of them are decode rows)."""
         return self.lm_head_module.logits(hidden, num_decode).float()
+
+    def checkpoint_tensors(self, tensors):
+        """Hook: the checkpoint's (name, tensor, file) triples under the names the loader
+        maps (models/weights.py; Phi-3 splits its fused qkv_proj and gate_up_proj). Llama: as
+        they are."""
+        return tensors
+
+    def qkv_row_order(self) -> torch.Tensor | None:
+        """Hook: which checkpoint row each row of the fused q/k/v weight holds (Phi-3's
+        partial rotary reorders q/k rows); None: the checkpoint's order."""
+        return None
 
     def linear_layers(self) -> dict[str, LinearBase | VocabParallelEmbedding]:
         """Every matmul of the model by parameter prefix (the LM head once, even if tied)."""

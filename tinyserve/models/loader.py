@@ -186,18 +186,19 @@ def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, in
 
     def kind(*names: str) -> str:
         """The blocks the kernels keep (GGUFCheckpoint.packed_blocks: stacked parts must share
-        one kind), else the dense weight as choose_linear_methods holds it."""
+        one kind), else the dense weight as choose_linear_methods holds it. Of ``names``,
+        the tensors the file has (Phi-3: attn_qkv for attn_q/k/v, ffn_up for gate and up)."""
         if ckpt is None:
             return dense
-        kinds = {block_kind(getattr(ckpt.tensors.get(f"blk.0.{n}.weight"), "qtype", -1))
-                 for n in names}  # fmt: skip
+        kinds = {block_kind(ckpt.tensors[f"blk.0.{n}.weight"].qtype) for n in names
+                 if f"blk.0.{n}.weight" in ckpt.tensors}  # fmt: skip
         return (kinds.pop() or dense) if len(kinds) == 1 else dense
 
     h, hd = config.hidden_size, config.head_dim
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
     inter = config.intermediate_size
     return (
-        (kind("attn_q", "attn_k", "attn_v"), qkv, h),
+        (kind("attn_q", "attn_k", "attn_v", "attn_qkv"), qkv, h),
         (kind("attn_output"), h, config.num_attention_heads * hd),
         (kind("ffn_gate", "ffn_up"), 2 * inter, h),
         (kind("ffn_down"), h, inter),

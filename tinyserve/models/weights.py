@@ -102,7 +102,7 @@ def load_weights(
         shards = getattr(owner, "shards", {})
         needed |= {(pname, s) for s in shards} if shards else {(pname, None)}
     loaded: set[tuple[str, str | None]] = set()
-    for name, tensor, file in tensors:
+    for name, tensor, file in model.checkpoint_tensors(tensors):
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name.startswith("lm_head.") and config.tie_word_embeddings:

@@ -40,7 +40,22 @@ _ARCH = {
     # Layer 1 of 3 without RoPE (the released model: every fourth).
     "smollm3": ("SmolLM3Config", {"tie_word_embeddings": True, "no_rope_layers": [1, 0, 1],
                                   "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    # Phi-4-mini's partial rotary (3/4 of each head: 12 of 16 dims here); no window.
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False, "partial_rotary_factor": 0.75,
+                            "sliding_window": None, "pad_token_id": None, "bos_token_id": None,
+                            "eos_token_id": None}),
 }  # fmt: skip
+
+
+def phi3_longrope(rotary_dim: int, original: int = 64) -> dict:
+    """Phi-3's LongRoPE config fields for ``rotary_dim`` rotated dims: per-frequency short and
+    long factors (as far apart as the released ones: ~1 against up to ~40) and the original
+    context (max_position_embeddings 512 / 64: attention factor sqrt(1.5))."""
+    n = rotary_dim // 2
+    return {"original_max_position_embeddings": original,
+            "rope_scaling": {"rope_type": "longrope",
+                             "short_factor": [1.0 + 0.1 * i for i in range(n)],
+                             "long_factor": [1.0 + 8.0 * i for i in range(n)]}}  # fmt: skip
 
 
 def tiny_config(arch: str, **over):

@@ -5,6 +5,8 @@ GGUF loader, and the family GGUFs of the benchmarks (no tokenizer in the file)."
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -16,6 +18,7 @@ GGUF_ARCH = {
     "qwen3": ("qwen3", False),
     "granite": ("granite", True),
     "smollm3": ("smollm3", True),
+    "phi3": ("phi3", False),  # its fused qkv_proj / gate_up_proj kept: attn_qkv, ffn_up
 }
 
 HF_TO_GGUF = {
@@ -36,6 +39,8 @@ HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate and up in one tensor
 }
 
 
@@ -81,6 +86,27 @@ def _metadata(w, cfg) -> None:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
+    if cfg.model_type == "phi3":
+        _phi3_metadata(w, cfg)
+
+
+def _phi3_metadata(w, cfg) -> None:
+    """As llama.cpp's Phi3MiniModel: rotary dims, the original context, the window (0: none)
+    and, for LongRoPE, the attention factor it computes and the factors as two tensors."""
+    rope = cfg.rope_parameters
+    original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
+                               // cfg.num_attention_heads)  # fmt: skip
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        )
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(rope[f"{kind}_factor"], dtype=np.float32))  # fmt: skip
 
 
 def write_gguf(

@@ -11,6 +11,7 @@ import random
 
 import torch
 
+from tinyserve.testing.checkpoints import random_tokens
 from tinyserve.worker.kv_cache import allocate_kv_cache
 
 
@@ -121,6 +122,26 @@ def mixed_steps(runner: PagedRunner, rng) -> list[torch.Tensor]:
                  ("b", seqs["b"][4 + i : 5 + i])]  # fmt: skip
         out.append(runner.step(chunk, decode={"a", "b", "c"} if i else {"a", "b"}))
     return [t for step in out for t in step]
+
+
+def batched_and_alone(model, block_size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Two sequences' chunks (prefill, one token, a continued chunk) stepped alone, then
+    together in varied batch orders: (label, batched logits, alone logits) per chunk, for the
+    batch-invariance tests (equal bitwise)."""
+    a, b = random_tokens(13, 1), random_tokens(9, 2)
+    plan = {"a": [a[:8], a[8:9], a[9:13]], "b": [b[:3], b[3:8], b[8:9]]}
+    alone = {}
+    for seq, chunks in plan.items():
+        runner = PagedRunner(model, block_size, num_blocks=32, seed=ord(seq))
+        alone[seq] = [runner.step([(seq, c)])[0] for c in chunks]
+    runner = PagedRunner(model, block_size, num_blocks=64, seed=5)
+    out = []
+    for step, order in enumerate([["a", "b"], ["b", "a"], ["a", "b"]]):
+        got = runner.step([(s, plan[s][step]) for s in order])
+        out += [
+            (f"seq {s} step {step}", g, alone[s][step]) for s, g in zip(order, got, strict=True)
+        ]
+    return out
 
 
 def random_paged_case(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed):

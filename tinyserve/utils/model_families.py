@@ -13,6 +13,30 @@ SMOLLM3_NO_ROPE_STEP = 4
 GRANITE_GGUF_KEYS = {"embedding_multiplier": "embedding_scale",
                      "residual_multiplier": "residual_scale",
                      "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
+# LongRoPE's keys that change the tables (Phi-3; rope_type and the two factor lists besides).
+LONGROPE_KEYS = ("original_max_position_embeddings", "factor", "attention_factor")
+
+
+def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from a config.json: transformers 5 moved both into
+    ``rope_parameters``; ``type`` is the older name of ``rope_type``. LongRoPE keeps only what
+    changes its tables, its original length from the top level where 4.x configs keep it."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or None
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and "rope_type" not in scaling and "type" in scaling:
+        scaling = {**scaling, "rope_type": scaling["type"]}
+    if scaling is not None and scaling.get("rope_type") in ("su", "longrope"):  # su: its old name
+        scaling = {"original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
+                   **scaling}  # fmt: skip
+        scaling = {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]),
+                   "long_factor": list(scaling["long_factor"]),
+                   **{k: scaling[k] for k in LONGROPE_KEYS if scaling.get(k) is not None}}  # fmt: skip
+    if scaling is not None and scaling.get("rope_type") == "default":
+        scaling = None
+    return float(theta), scaling
 
 
 def hf_family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -28,6 +52,11 @@ def hf_family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         out["sliding_window"] = int(window)
     if cfg.get("no_rope_layers") is not None:
         out["no_rope_layers"] = tuple(int(x) for x in cfg["no_rope_layers"])
+    if arch == "Phi3ForCausalLM":
+        rope = cfg.get("rope_parameters") or {}
+        out["partial_rotary_factor"] = float(
+            cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        )
     if arch == "GraniteForCausalLM":
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             out[name] = float(cfg.get(name, 1.0))
@@ -42,6 +71,14 @@ def gguf_family_fields(fields: Mapping[str, Any], arch: str, num_layers: int) ->
     if arch == "granite":
         out = {k: float(fields[f"{arch}.{g}"]) for k, g in GRANITE_GGUF_KEYS.items()
                if f"{arch}.{g}" in fields}  # fmt: skip
+    if arch == "phi3":  # rope_factors_long / _short: tensors (models/gguf_checkpoint.py)
+        rot = fields.get(f"{arch}.rope.dimension_count")
+        head_dim = fields.get(f"{arch}.attention.key_length") or (
+            int(fields[f"{arch}.embedding_length"]) // int(fields[f"{arch}.attention.head_count"])
+        )
+        out["partial_rotary_factor"] = int(rot) / int(head_dim) if rot else 1.0
+        if fields.get(f"{arch}.attention.sliding_window"):  # 0: none (the converter's Phi-4)
+            out["sliding_window"] = int(fields[f"{arch}.attention.sliding_window"])
     if arch == "smollm3":
         step = SMOLLM3_NO_ROPE_STEP
         out["no_rope_layers"] = tuple(int((i + 1) % step != 0) for i in range(num_layers))

@@ -25,13 +25,16 @@ ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4-mini
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the text tower of the larger ones)
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # HF ``model_type`` / GGUF ``general.architecture`` -> architecture.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM",
-               "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
-HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM"}  # GGUF: Mistral is "llama"
+               "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
+HF_MODEL_TYPES = {**MODEL_TYPES, "mistral": "MistralForCausalLM",  # GGUF: Mistral is "llama"
+                  "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
 # GGUF architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel family).
 GGUF_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")  # longrope: Phi-3 only
@@ -66,13 +69,17 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] | None = None
     # Granite: input rows x embedding_multiplier; each attention / MLP output x
     # residual_multiplier before the residual add; the softmax scale attention_multiplier
-    # (None: head_dim ** -0.5); logits / logits_scaling.
+    # (None: head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5); logits / logits_scaling.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     # Phi-3: RoPE rotates the first head_dim * partial_rotary_factor dims of each head only.
     partial_rotary_factor: float = 1.0
+    # Gemma 3: per layer 1 = a local (sliding-window) layer, whose RoPE base is
+    # rope_local_theta, unscaled; the global layers take rope_theta and rope_scaling.
+    local_layers: tuple[int, ...] | None = None
+    rope_local_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -127,6 +127,9 @@ GGUF_CONFIGS = {
     "granite": {},
     # GGUF has no key for SmolLM3's NoPE layers: llama.cpp takes every 4th (its default too).
     "smollm3": {"num_hidden_layers": 4, "no_rope_layers": None},
+    # llama.cpp infers Gemma 3's local layers (every 6th global) and softmax scale (head_dim):
+    # the checkpoint has them so; its norms are written as 1 + w.
+    "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
 }
 
 

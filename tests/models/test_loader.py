@@ -72,7 +72,7 @@ def test_sharded_checkpoint_with_a_missing_shard(llama_hf, tmp_path):
         load_model(sharded)
 
 
-@pytest.mark.parametrize("arch", ["Gemma3ForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "GPT2LMHeadModel"])
 def test_unknown_architecture(llama_dir, tmp_path, arch):
     path = _copy(llama_dir, tmp_path)
     cfg = json.loads((path / "config.json").read_text())

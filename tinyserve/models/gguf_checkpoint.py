@@ -39,11 +39,16 @@ GGUF_TO_HF = {
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
-# Per GGUF architecture, tensors holding what one of our fused parameters holds, by the
-# checkpoint name of that fused tensor (Phi-3: q/k/v in attn_qkv, gate and up in ffn_up); the
-# model's ``checkpoint_tensors`` splits them as it splits the safetensors' own.
-GGUF_FUSED = {"phi3": {"blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
-                       "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"}}  # fmt: skip
+# Per GGUF architecture, the names that differ. Phi-3: q/k/v in attn_qkv, gate and up in
+# ffn_up, by the name of that fused tensor (the model's ``checkpoint_tensors`` splits them as
+# it splits the safetensors' own). Gemma 3: its norms around attention and the MLP.
+GGUF_ARCH_NAMES = {
+    "phi3": {"blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+             "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"},
+    "gemma3": {"blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+               "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+               "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm"},
+}  # fmt: skip
 # Tables, not weights: RoPE factors (llama3's rope_freqs; Phi-3's LongRoPE factors).
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -140,7 +145,8 @@ class GGUFCheckpoint:
                 return None
             return gemm.cat_rows(parts)
 
-        found, one_tensor, order = {}, self.arch in GGUF_FUSED, net.qkv_row_order()
+        found, order = {}, net.qkv_row_order()
+        one_tensor = "blk.0.attn_qkv.weight" in self.tensors
         for i in range(config.num_hidden_layers):
             b, prefix = f"blk.{i}.", f"model.layers.{i}."
             if one_tensor:  # q/k/v in one tensor, gate and up in ffn_up (Phi-3)
@@ -170,7 +176,7 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
         key, i = f"blk.{{i}}.{m.group(2)}", m.group(1)
     else:
         key, i = base, None
-    hf = GGUF_FUSED.get(arch, {}).get(key) or GGUF_TO_HF.get(key)
+    hf = GGUF_ARCH_NAMES.get(arch, {}).get(key) or GGUF_TO_HF.get(key)
     if hf is None:
         return None
     return f"{hf.format(i=i)}.{suffix}"

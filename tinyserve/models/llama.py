@@ -260,10 +260,10 @@ class LlamaForCausalLM(nn.Module):
         first ``num_decode`` of them are decode rows)."""
         return self.lm_head_module.logits(hidden, num_decode).float()
 
-    def checkpoint_tensors(self, tensors):
-        """Hook: the checkpoint's (name, tensor, file) triples under the names the loader
-        maps (models/weights.py; Phi-3 splits its fused qkv_proj and gate_up_proj). Llama: as
-        they are."""
+    def checkpoint_tensors(self, tensors, gguf: bool = False):
+        """Hook: the checkpoint's (name, tensor, file) triples (GGUF ones already under HF
+        names) as the loader maps them (models/weights.py; Phi-3 splits its fused qkv_proj
+        and gate_up_proj, Gemma 3 adds its norms' offset). Llama: as they are."""
         return tensors
 
     def qkv_row_order(self) -> torch.Tensor | None:

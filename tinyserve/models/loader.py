@@ -131,7 +131,7 @@ def load_model(
         tensors = ckpt.iter_tensors(config)
     else:
         tensors = iter_safetensors(source.path)
-    load_weights(net, _with_progress(tensors, config), str(source.path))
+    load_weights(net, _with_progress(tensors, config), str(source.path), ckpt is not None)
     net = net.to(device).eval()
     use_kernels = cpu_kernels and dtype == torch.float32 and torch.device(device).type == "cpu"
     packed = (

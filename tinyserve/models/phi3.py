@@ -59,7 +59,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         qk = (heads * c.head_dim + rotary_order(c.head_dim, c.rotary_dim)).flatten()
         return torch.cat((qk, torch.arange(qk.numel(), qk.numel() + c.kv_size)))
 
-    def checkpoint_tensors(self, tensors):
+    def checkpoint_tensors(self, tensors, gguf: bool = False):
         """``qkv_proj`` -> q/k/v_proj (q/k rows in our order), ``gate_up_proj`` -> gate/up_proj."""
         c, order = self.config, self.qkv_row_order()
         split = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), (c.q_size, c.kv_size, c.kv_size)),

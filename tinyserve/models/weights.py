@@ -86,6 +86,7 @@ def load_weights(
     model: LlamaForCausalLM,
     tensors: Iterator[tuple[str, torch.Tensor, str]],
     where: str,
+    gguf: bool = False,
 ) -> None:
     """Copy (name, tensor, file) triples into the model through each layer's weight loader
     (which slices for this rank and places fused shards); every parameter, and every shard of
@@ -102,7 +103,7 @@ def load_weights(
         shards = getattr(owner, "shards", {})
         needed |= {(pname, s) for s in shards} if shards else {(pname, None)}
     loaded: set[tuple[str, str | None]] = set()
-    for name, tensor, file in model.checkpoint_tensors(tensors):
+    for name, tensor, file in model.checkpoint_tensors(tensors, gguf):
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name.startswith("lm_head.") and config.tie_word_embeddings:

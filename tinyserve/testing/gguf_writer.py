@@ -19,7 +19,12 @@ GGUF_ARCH = {
     "granite": ("granite", True),
     "smollm3": ("smollm3", True),
     "phi3": ("phi3", False),  # its fused qkv_proj / gate_up_proj kept: attn_qkv, ffn_up
+    "gemma3_text": ("gemma3", False),  # norms written as 1 + w
 }
+# Per GGUF architecture, the names that differ from HF_TO_GGUF's.
+ARCH_NAMES = {"gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                         "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                         "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}}  # fmt: skip
 
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -61,14 +66,17 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in HF_TO_GGUF:
         return HF_TO_GGUF[hf_name]
     parts = hf_name.split(".")
-    return f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:])]}"
+    names = {**HF_TO_GGUF, **ARCH_NAMES.get(arch, {})}
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:])]}"
 
 
 def _metadata(w, cfg) -> None:
+    import gguf
+
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -76,9 +84,16 @@ def _metadata(w, cfg) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: global
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     head_dim = getattr(cfg, "head_dim", None)
-    if head_dim and head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    gemma = cfg.model_type == "gemma3_text"
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    if head_dim and (gemma or head_dim != cfg.hidden_size // cfg.num_attention_heads):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if cfg.model_type == "granite":  # the converter's names for the four scalars
@@ -128,8 +143,9 @@ def write_gguf(
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        gname = gguf_name(name)
+        gname = gguf_name(name, arch_name)
         data = t.detach().float().numpy().copy()
+        shift = arch_name == "gemma3" and name.endswith("norm.weight")  # the converter's 1 + w
         heads = None
         if permuted and gname.endswith(("attn_q.weight", "attn_k.weight")):
             q = gname.endswith("attn_q.weight")
@@ -140,7 +156,7 @@ def write_gguf(
             kind = "F32"  # norms and biases stay float, as the converter keeps them
         qtype = gguf.GGMLQuantizationType[kind]
         if kind == "F32":
-            w.add_tensor(gname, data)
+            w.add_tensor(gname, data + np.float32(1.0) if shift else data)
             stored = data
         elif kind == "F16":
             w.add_tensor(gname, data.astype(np.float16))

@@ -22,6 +22,7 @@ def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     ``rope_parameters``; ``type`` is the older name of ``rope_type``. LongRoPE keeps only what
     changes its tables, its original length from the top level where 4.x configs keep it."""
     params = dict(cfg.get("rope_parameters") or {})
+    params = params.get("full_attention", params)  # per layer type (Gemma 3): the global one
     scaling = cfg.get("rope_scaling") or None
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
@@ -57,12 +58,32 @@ def hf_family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         out["partial_rotary_factor"] = float(
             cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         )
+    if arch == "Gemma3ForCausalLM":
+        out.update(_gemma3_fields(cfg))
     if arch == "GraniteForCausalLM":
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             out[name] = float(cfg.get(name, 1.0))
         if cfg.get("attention_multiplier") is not None:
             out["attention_multiplier"] = float(cfg["attention_multiplier"])
     return out
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Local layers (``layer_types``, or every ``sliding_window_pattern``-th layer global as
+    before transformers 4.53), their RoPE base, query_pre_attn_scalar as the softmax scale."""
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            raise ValueError(f"{cap}: logit soft-capping is not supported (Gemma 3 has none)")
+    n = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % step == 0 else "sliding_attention" for i in range(n)
+    ]
+    local_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return {"local_layers": tuple(int(t == "sliding_attention") for t in types),
+            "rope_local_theta": float(cfg.get("rope_local_base_freq",
+                                              local_rope.get("rope_theta", 10000.0))),
+            "attention_multiplier": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5}  # fmt: skip
 
 
 def gguf_family_fields(fields: Mapping[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
@@ -78,6 +99,14 @@ def gguf_family_fields(fields: Mapping[str, Any], arch: str, num_layers: int) ->
         )
         out["partial_rotary_factor"] = int(rot) / int(head_dim) if rot else 1.0
         if fields.get(f"{arch}.attention.sliding_window"):  # 0: none (the converter's Phi-4)
+            out["sliding_window"] = int(fields[f"{arch}.attention.sliding_window"])
+    if arch == "gemma3":  # as llama.cpp: every 6th layer global, local base 10000, no scalar key
+        out["local_layers"] = tuple(int(i % 6 < 5) for i in range(num_layers))
+        head_dim = int(fields.get(f"{arch}.attention.key_length") or 256)
+        heads = int(fields[f"{arch}.attention.head_count"])
+        scalar = int(fields[f"{arch}.embedding_length"]) // heads if num_layers == 62 else head_dim
+        out["attention_multiplier"] = float(scalar) ** -0.5  # (62 layers: Gemma 3 27B's)
+        if fields.get(f"{arch}.attention.sliding_window"):
             out["sliding_window"] = int(fields[f"{arch}.attention.sliding_window"])
     if arch == "smollm3":
         step = SMOLLM3_NO_ROPE_STEP

@@ -1,0 +1,109 @@
+"""Gemma 3 text (``Gemma3ForCausalLM``: 1B, and the text tower of the larger ones): Llama's
+layer with
+
+- input rows scaled by sqrt(hidden) (rounded to the model's dtype first, as transformers);
+- RMSNorm weights used as (1 + w): the offset is added once at load, in float32 as
+  transformers adds it at run time (a GGUF has it added already, by llama.cpp's converter),
+  so every norm, the kernels' included, is the plain RMSNorm;
+- Qwen3's per-head RMSNorm on q and k, and the softmax scale query_pre_attn_scalar ** -0.5;
+- a norm after attention and after the MLP too (four per layer), each branch normed before it
+  joins the residual stream;
+- GeGLU: tanh-approximated GELU on the gate (torch; elementwise, so batch-invariant);
+- local layers (five of every six) with their own RoPE base (rope_local_theta, unscaled) and
+  a sliding window, interleaved with global layers (rope_theta and its scaling): two RoPE
+  tables per step, each layer taking its own through ``LlamaAttention.rotary``. The served
+  context is capped at the window as for Mistral (worker/executor.py), where full attention
+  is the windowed one exactly.
+
+kernels/step.c knows none of GeGLU, the post-norms or a second table: ``fused_step_ok`` is
+False, and the CPU kernels serve each layer from the Python loop (linears, attention, norms).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyserve.config import ModelConfig
+from tinyserve.layers.norm import RMSNorm
+from tinyserve.layers.rotary import RotaryEmbedding
+from tinyserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from tinyserve.models.qwen3 import Qwen3Attention
+
+
+class Gemma3Attention(Qwen3Attention):
+    def __init__(self, config: ModelConfig, dtype, tp, layer_idx: int = 0) -> None:
+        super().__init__(config, dtype, tp, layer_idx)
+        if config.attention_multiplier is not None:
+            self.scale = config.attention_multiplier
+        self.local = bool(config.local_layers and config.local_layers[layer_idx])
+
+    def rotary(self, cos_sin):
+        """The step's (global, local) tables: this layer's."""
+        return cos_sin[1] if self.local else cos_sin[0]
+
+
+class Gemma3MLP(LlamaMLP):
+    def forward(self, x: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, num_decode).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up, num_decode)
+
+
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: ModelConfig, dtype, tp, *args, **kwargs) -> None:
+        super().__init__(config, dtype, tp, *args, **kwargs)
+        self.mlp = Gemma3MLP(config, dtype, tp)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, cos_sin, kv_cache, meta):
+        """-> (this layer's output, the residual stream before it is added); Gemma's
+        ``post_attention_layernorm`` norms the attention output itself."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos_sin, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h, meta.num_decode_tokens)), residual
+
+
+class _TwoTables(nn.Module):
+    """The global and the local layers' RoPE tables, gathered together once per step."""
+
+    def __init__(self, global_: RotaryEmbedding, local: RotaryEmbedding) -> None:
+        super().__init__()
+        self.global_, self.local = global_, local
+
+    def cos_sin(self, positions: torch.Tensor):
+        return self.global_.cos_sin(positions), self.local.cos_sin(positions)
+
+
+class Gemma3Model(LlamaModel):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *args, **kwargs) -> None:
+        super().__init__(config, dtype, *args, **kwargs)
+        scale = torch.tensor(config.hidden_size**0.5).to(dtype)
+        self.register_buffer("embed_scale", scale, persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def build_rotary(self, config, max_position: int, dtype, inv_freq) -> nn.Module:
+        local = RotaryEmbedding(config.head_dim, max_position, config.rope_local_theta, None,
+                                dtype)  # fmt: skip
+        return _TwoTables(super().build_rotary(config, max_position, dtype, inv_freq), local)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    model_cls = Gemma3Model
+    layer_cls = Gemma3DecoderLayer
+    attention_cls = Gemma3Attention
+    fused_step_ok = False  # GeGLU, post-norms, two RoPE tables: the per-layer kernel path
+
+    def checkpoint_tensors(self, tensors, gguf: bool = False):
+        """Every norm weight w as 1 + w (float32), unless the GGUF converter added it."""
+        for name, tensor, file in tensors:
+            if name.endswith("norm.weight") and not gguf:
+                tensor = tensor.float() + 1.0
+            yield name, tensor, file

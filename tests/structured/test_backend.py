@@ -167,8 +167,8 @@ def test_apply_bitmask_matches_a_per_token_loop():
             "response_format: invalid JSON schema: Pointer '/$defs/missing' does not exist",
         ),
         (
-            StructuredOutputSpec.json_schema({"type": "string", "format": "nope"}),
-            "response_format: invalid JSON schema: Unknown format: nope",
+            StructuredOutputSpec.json_schema({"type": "string", "pattern": "(a"}),
+            "response_format: invalid JSON schema: regex parse error",
         ),
         (
             StructuredOutputSpec.regex("(a", field="structured_outputs.regex"),

@@ -17,6 +17,7 @@ from tinyserve.structured.schema_approx import (
     approximate,
     final_check,
     needs_final_check,
+    strip_lookaround,
     uses_keywords,
 )
 from tinyserve.structured.schema_fixes import fix_schema
@@ -44,6 +45,13 @@ NARROWED = [
     {**_OBJ, "required": ["b"], "dependentSchemas": {"b": {"required": ["a"]}}},
     {"type": "object", "properties": {"x": {**_OBJ, "not": {"required": ["c"]}}},
      "required": ["x"]},
+    {**_OBJ, "minProperties": 2},
+    {**_OBJ, "required": ["c"], "minProperties": 2},
+    # a tagged union written as conditionals (GitHub issue forms, Minecraft loot tables)
+    {**_OBJ, "allOf": [
+        {"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+        {"if": {"properties": {"a": {"const": 2}}}, "then": {"required": ["c"]},
+         "else": {"properties": {"c": {"const": False}}}}]},
 ]  # fmt: skip
 
 
@@ -62,6 +70,14 @@ def _domain():
 DOMAIN = _domain()
 
 
+def _keys(node) -> set:
+    if isinstance(node, list):
+        return set().union(*map(_keys, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    return set(node) | set().union(*(_keys(v) for v in node.values()))
+
+
 def _valid(schema, value) -> bool:
     return jsonschema.Draft202012Validator(schema).is_valid(value)
 
@@ -69,7 +85,7 @@ def _valid(schema, value) -> bool:
 @pytest.mark.parametrize("schema", NARROWED, ids=lambda s: ",".join(sorted(KEYWORDS & s.keys())))
 def test_narrowing_is_sound_and_satisfiable(schema):
     narrowed = approximate(schema)
-    assert not uses_keywords(narrowed), narrowed
+    assert not KEYWORDS - {"minProperties", "maxProperties"} & _keys(narrowed), narrowed
     inside = [v for v in DOMAIN if _valid(narrowed, v)]
     assert inside, f"nothing satisfies {narrowed}"
     broken = [v for v in inside if not _valid(schema, v)]
@@ -98,6 +114,7 @@ def test_the_input_is_not_changed_and_data_is_not_read_as_schema():
         ({"type": "object", "propertyNames": {"pattern": "^a"}}, '{"b": 1}', "propertyNames"),
         ({"type": "array", "contains": {"const": 1}, "maxContains": 1}, "[1, 1]", "contains"),
         ({"not": {"const": "x"}}, '"x"', "not"),
+        ({**_OBJ, "maxProperties": 1}, '{"a": 1, "b": 2}', "maxProperties"),
         ({"type": "object", "properties": {"q": {"type": "array", "uniqueItems": True}}},
          '{"q": [true, true]}', "uniqueItems"),
     ],
@@ -132,3 +149,39 @@ def test_fix_schema_applies_the_narrowing(backend, smollm2_tokenizer):
     assert takes('{"a": 1, "b": 2}')
     assert not takes('{"a": 1}')  # then: b required
     assert not takes('{"a": 1, "b": 2, "c": true}')  # not both a and c
+
+
+@pytest.mark.parametrize(
+    "pattern, inside, outside",
+    [
+        ("^(?!plugins$)[a-z0-9][a-z0-9+-]*$", ["a1", "plugin"], ["plugins"]),
+        ("^(?=[^!]+$)(?=(.*[0-9])).+$", ["a1"], ["ab", "a!1"]),
+        ("^a(?<=a)[(?!]b$", ["a(b", "a!b"], []),
+    ],
+)
+def test_look_arounds_widen_and_are_checked_after(backend, pattern, inside, outside):
+    """Without its look-arounds a pattern matches everything it did (and the strings it
+    refused); the schema is then checked after: those strings break it."""
+    import re
+
+    wide = strip_lookaround(pattern)
+    assert len(wide) < len(pattern)
+    for text in inside + outside:
+        assert not re.search(pattern, text) or re.search(wide, text)
+    schema = {"type": "string", "pattern": pattern}
+    backend.compile(StructuredOutputSpec.json_schema(schema))
+    for text in outside:
+        assert "'pattern'" in final_check(json.dumps(schema), json.dumps(text))
+    for text in inside:
+        assert final_check(json.dumps(schema), json.dumps(text)) is None
+    keyed = {"type": "object", "patternProperties": {pattern: {}}, "additionalProperties": False}
+    assert needs_final_check(json.dumps(keyed))
+    backend.compile(StructuredOutputSpec.json_schema(keyed))
+
+
+def test_groups_of_definitions_are_reached_through_their_refs():
+    """SchemaStore's travis.json keeps definitions in groups ("#/definitions/group/x")."""
+    schema = {"definitions": {"group": {"x": {"type": "array", "uniqueItems": True}}},
+              "$ref": "#/definitions/group/x"}  # fmt: skip
+    assert uses_keywords(schema)
+    assert "uniqueItems" not in json.dumps(approximate(schema))

@@ -121,3 +121,32 @@ def test_dates_are_the_ones_python_parses(backend, smollm2_tokenizer):
     for text, ok in (('"0000-03-08"', False), ('"2024-02-29"', True), ('"2023-02-29"', False),
                      ('"0001-01-01"', True)):  # fmt: skip
         assert _takes(backend, compiled, smollm2_tokenizer, text) == ok, text
+
+
+@pytest.mark.parametrize(
+    "fmt, accepted, refused",
+    [
+        ("uri-reference", ["https://example.org/a"], ["not a uri"]),  # narrowed to uri
+        ("idn-email", ["a@b.org"], ["nope"]),  # narrowed to email
+        ("json-pointer", ["/a/b~1c", ""], ["a/b", "/a~2"]),  # its pattern
+        ("uri-template", ["anything {x}"], []),  # an annotation: dropped
+    ],
+)
+def test_formats_the_library_lacks_are_narrowed_or_dropped(
+    backend, smollm2_tokenizer, fmt, accepted, refused
+):
+    compiled = backend.compile(StructuredOutputSpec.json_schema({"type": "string", "format": fmt}))
+    for text in accepted:
+        assert _takes(backend, compiled, smollm2_tokenizer, json.dumps(text)), text
+    for text in refused:
+        assert not _takes(backend, compiled, smollm2_tokenizer, json.dumps(text)), text
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://json-schema.org/draft-04/schema", "http://json-schema.org/draft/2019-09/schema",
+     "http://json-schema.org/schema#", "https://example.org/my-dialect"],
+)  # fmt: skip
+def test_dialect_urls_the_library_would_fetch_compile(backend, url):
+    """llguidance fetches nothing and refuses a "$schema" URL its registry spells otherwise."""
+    backend.compile(StructuredOutputSpec.json_schema({"$schema": url, "type": "object"}))

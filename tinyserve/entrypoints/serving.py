@@ -355,8 +355,9 @@ def format_constraint(
     strict: bool | None = None,
 ) -> StructuredOutputsParams | None:
     """A response format as a grammar: chat's ``response_format`` and the Responses API's
-    ``text.format`` (``field`` and ``schema_field`` name them in errors). ``strict``:
-    OpenAI's strict mode, objects take only their declared properties (closed_objects)."""
+    ``text.format`` (``field`` and ``schema_field`` name them in errors). Objects take only
+    their declared properties (closed_objects: OpenAI's strict mode, and what vLLM's and
+    llama.cpp's grammars do by default) unless ``strict`` is False: then as written."""
     if kind is None or kind == "text":
         return None
     if kind == "json_schema" and schema is None:
@@ -364,7 +365,7 @@ def format_constraint(
     try:
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True, field=field)
-        return StructuredOutputsParams(json=closed_objects(schema) if strict else schema,
+        return StructuredOutputsParams(json=schema if strict is False else closed_objects(schema),
                                        field=field)  # fmt: skip
     except ValueError as e:
         raise bad_request(e, field) from None

@@ -153,13 +153,17 @@ class GrammarBackend:
         passes ``GrammarSandbox.check`` (sandbox.py: a child process, so a grammar the
         library crashes on fails this request only). Without it, validated here."""
         t0 = time.perf_counter()
-        grammar = self._grammar_text(spec)
         limits = _parser_limits()
         if check is None:
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                grammar, self._tokenizer, limits=limits
+            check = lambda text: llguidance.LLMatcher.validate_grammar_with_warnings(  # noqa: E731
+                text, self._tokenizer, limits=limits
             )
-        else:
+        grammar = self._grammar_text(spec)
+        is_error, messages = check(grammar)
+        if is_error and spec.kind == "json" and "too large" in " ".join(messages):
+            # The narrowed keywords multiplied out: drop them all, each checked after
+            # (structured/schema_approx.py).
+            grammar = self._grammar_text(spec, narrow=False)
             is_error, messages = check(grammar)
         if is_error:
             raise ValueError(_error_message(spec, messages[0] if messages else "invalid"))
@@ -168,10 +172,10 @@ class GrammarBackend:
             raise ValueError(_error_message(spec, template.get_error()))
         return CompiledGrammar(spec, time.perf_counter() - t0, template, len(grammar))
 
-    def _grammar_text(self, spec: StructuredOutputSpec) -> str:
+    def _grammar_text(self, spec: StructuredOutputSpec, narrow: bool = True) -> str:
         grammar_of = llguidance.LLMatcher
         if spec.kind == "json":
-            schema = json.dumps(fix_schema(json.loads(spec.value)), ensure_ascii=False)
+            schema = json.dumps(fix_schema(json.loads(spec.value), narrow), ensure_ascii=False)
             return grammar_of.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if spec.kind == "json_object":
             return grammar_of.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)

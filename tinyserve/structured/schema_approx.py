@@ -19,7 +19,9 @@ ways, and neither can let an invalid answer through:
   other types; ``dependentRequired`` / ``dependencies`` / ``dependentSchemas`` on a property
   -> the dependency is added when the property is required, else the property is forbidden.
 * **Dropped from the grammar and checked after** (``uniqueItems``, ``maxContains``,
-  ``propertyNames``, ``unevaluated*``, other forms of ``not``): the finished answer is
+  ``propertyNames``, ``unevaluated*``, other forms of ``not``, ``maxProperties`` and
+  ``minProperties`` where not every declared property is required and the library refuses
+  them, a ``pattern`` with look-around): the finished answer is
   validated against the schema as the client wrote it (``final_check``; the output
   processor runs it when the grammar ends the answer) and a failure ends the request with a
   400 naming the field and the keyword, never a 200.
@@ -39,7 +41,11 @@ _MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSc
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 KEYWORDS = frozenset({"not", "if", "then", "else", "contains", "minContains", "maxContains",
                       "uniqueItems", "dependentRequired", "dependentSchemas", "dependencies",
-                      "propertyNames", "unevaluatedProperties", "unevaluatedItems"})  # fmt: skip
+                      "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+                      "minProperties", "maxProperties"})  # fmt: skip
+# Keys whose values are data or walked above: never read as a schema by the walk below.
+_DATA = frozenset({"const", "enum", "default", "examples", "x-guidance", "dependentRequired"})
+_KNOWN = _DATA | frozenset(_SUB) | frozenset(_MAPS) | frozenset(_LISTS) | {"dependencies"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -49,9 +55,69 @@ def uses_keywords(schema) -> bool:
         return any(uses_keywords(s) for s in schema)
     if not isinstance(schema, dict):
         return False
-    if KEYWORDS & schema.keys():
+    if KEYWORDS & schema.keys() or _lookaround(schema):
         return True
     return any(uses_keywords(s) for s in _children(schema))
+
+
+def _looks_around(pattern) -> bool:
+    return isinstance(pattern, str) and any(a in pattern for a in ("(?=", "(?!", "(?<=", "(?<!"))
+
+
+def strip_lookaround(pattern: str) -> str:
+    """``pattern`` without its look-around groups: it matches everything ``pattern`` does."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif pattern[i] == "[":  # a class: copied whole ("(" inside is a character)
+            j = _class_end(pattern, i)
+            out.append(pattern[i:j])
+            i = j
+        elif any(pattern.startswith(a, i) for a in ("(?=", "(?!", "(?<=", "(?<!")):
+            i = _group_end(pattern, i)
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the character class that opens at ``pattern[i]``."""
+    j = i + 1 + (pattern[i + 1 : i + 2] == "]")
+    while j < len(pattern) and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
+
+
+def _group_end(pattern: str, i: int) -> int:
+    """The index after the group that opens at ``pattern[i]``."""
+    depth = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "[":
+            i = _class_end(pattern, i)
+            continue
+        if c == "\\":
+            i += 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return i
+
+
+def _lookaround(node: dict) -> bool:
+    """A ``pattern`` (or a ``patternProperties`` key) with look-around, which the library's
+    regex engine has not."""
+    keyed = node.get("patternProperties")
+    return _looks_around(node.get("pattern")) or (
+        isinstance(keyed, dict) and any(_looks_around(k) for k in keyed)
+    )
 
 
 def _children(node: dict):
@@ -67,6 +133,7 @@ def _children(node: dict):
     deps = node.get("dependencies")
     if isinstance(deps, dict):
         yield from (d for d in deps.values() if isinstance(d, dict))
+    yield from (v for k, v in node.items() if isinstance(v, dict) and k not in _KNOWN)
 
 
 def map_subschemas(node: dict, fn) -> dict:
@@ -83,24 +150,91 @@ def map_subschemas(node: dict, fn) -> dict:
             out[key] = [fn(s) for s in out[key]]
     if isinstance(out.get("dependencies"), dict):
         out["dependencies"] = {k: fn(v) for k, v in out["dependencies"].items()}
+    for key, value in out.items():  # a "$ref" may point anywhere: "#/definitions/group/x"
+        if isinstance(value, dict) and key not in _KNOWN:
+            out[key] = fn(value)
     return out
 
 
-def approximate(schema):
-    """A copy of ``schema`` with the keywords above narrowed or dropped (the input is kept)."""
+def approximate(schema, narrow: bool = True):
+    """A copy of ``schema`` with the keywords above narrowed or dropped (the input is kept).
+    ``narrow=False`` drops them all (every one then checked after): for a schema whose
+    narrowing the library cannot compile ("schema too large": an ``allOf`` of a conditional
+    over ``$ref``s and unions that its intersection multiplies out)."""
     if isinstance(schema, list):
-        return [approximate(s) for s in schema]
+        return [approximate(s, narrow) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = map_subschemas(schema, approximate)
+    if narrow and isinstance(schema.get("allOf"), list):
+        schema = _discriminated(schema)
+    out = map_subschemas(schema, lambda s: approximate(s, narrow))
+    if _lookaround(out):  # each pattern without its look-arounds: a wider one, checked after
+        if _looks_around(out.get("pattern")):
+            out["pattern"] = strip_lookaround(out["pattern"])
+        if isinstance(out.get("patternProperties"), dict):
+            keyed = out["patternProperties"].items()
+            out["patternProperties"] = {strip_lookaround(k): v for k, v in keyed}
     if KEYWORDS & out.keys():
-        _conditional(out)
-        _dependencies(out)
-        _negation(out)
-        _contains(out)
-        for key in ("uniqueItems", "propertyNames", "unevaluatedProperties", "unevaluatedItems"):
+        if narrow:
+            _conditional(out)
+            _dependencies(out)
+            _negation(out)
+            _contains(out)
+            _property_counts(out)
+        declared = out.get("properties") or {}
+        keep = set()
+        if _required(out).issuperset(declared):
+            keep = {"minProperties", "maxProperties"}  # the library takes these: exact
+        for key in KEYWORDS - keep:
             out.pop(key, None)  # checked after
     return out
+
+
+def _const_test(cond) -> tuple[str, str] | None:
+    """(key, canonical value) when ``cond`` is ``{"properties": {key: {"const": v}}}`` (a
+    ``required`` of that key, an ``enum`` of one value and a ``type`` allowed)."""
+    if not isinstance(cond, dict) or not set(cond) <= {"properties", "required"}:
+        return None
+    props = cond.get("properties")
+    if not isinstance(props, dict) or len(props) != 1 or cond.get("required", [*props]) != [*props]:
+        return None
+    ((key, test),) = props.items()
+    if not isinstance(test, dict) or not set(test) <= {"const", "enum", "type"}:
+        return None
+    if "const" in test:
+        return key, json.dumps(test["const"], sort_keys=True)
+    enum = test.get("enum")
+    return (
+        (key, json.dumps(enum[0], sort_keys=True))
+        if isinstance(enum, list) and len(enum) == 1
+        else None
+    )
+
+
+_COND_KEYS = {"if", "then", "else", "$comment", "description", "title"}
+
+
+def _discriminated(node: dict) -> dict:
+    """``allOf`` parts that are conditionals on one property's value (``if type == "a" then
+    A``, ``if type == "b" then B``, ...: a tagged union written as conditionals) become one
+    ``anyOf`` of branches ``type == v_i and then_i and every other else``: exact for the
+    instances whose tag is one of the values, which are the only ones kept. (Requiring every
+    ``then`` at once, as a lone conditional is narrowed, would intersect the variants.)"""
+    parts = node["allOf"]
+    conds = [p for p in parts if isinstance(p, dict) and "if" in p and set(p) <= _COND_KEYS]
+    tests = [_const_test(p["if"]) for p in conds]
+    if len(conds) < 2 or None in tests or len({k for k, _ in tests}) != 1:
+        return node
+    if len({v for _, v in tests}) != len(tests):
+        return node
+    key = tests[0][0]
+    branches = []
+    for i, part in enumerate(conds):
+        tag = {"properties": {key: {"const": json.loads(tests[i][1])}}, "required": [key]}
+        others = [q["else"] for j, q in enumerate(conds) if j != i and "else" in q]
+        branches.append({"allOf": [tag, *([part["then"]] if "then" in part else []), *others]})
+    rest = [p for p in parts if not any(p is c for c in conds)]
+    return {**node, "allOf": [*rest, {"anyOf": branches}]}
 
 
 def _all_of(node: dict, *schemas) -> None:
@@ -137,6 +271,24 @@ def _required(node: dict) -> set:
     """The properties ``node`` requires, its ``allOf`` branches' included."""
     branches = [node, *(b for b in node.get("allOf", ()) if isinstance(b, dict))]
     return {r for b in branches for r in b.get("required", ()) if isinstance(r, str)}
+
+
+def _property_counts(node: dict) -> None:
+    """The library takes ``minProperties`` / ``maxProperties`` only where every declared
+    property is required. Elsewhere ``minProperties: n`` requires the first declared ones
+    until n are (every instance then has n keys), or is checked after if too few are
+    declared; ``maxProperties`` is checked after."""
+    declared = list(node.get("properties", {}))
+    required = _required(node)
+    if not declared or required.issuperset(declared):
+        return
+    least = node.pop("minProperties", 0)
+    node.pop("maxProperties", None)
+    if not isinstance(least, int) or least <= len(required):
+        return
+    extra = [p for p in declared if p not in required][: least - len(required)]
+    if len(required) + len(extra) >= least:
+        node["required"] = [*node.get("required", []), *extra]
 
 
 def _forbid(node: dict, names) -> bool:

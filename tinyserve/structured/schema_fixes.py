@@ -26,11 +26,11 @@ _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
 _REL_EPS = 1e-9
 
 
-def fix_schema(schema):
+def fix_schema(schema, narrow: bool = True):
     """``schema`` with the rewrites applied (a new object; the input is not changed): the
     keywords the library does not implement narrowed or dropped (schema_approx.py), then
-    the library's bugs worked around."""
-    return _fix(approximate(schema))
+    the library's bugs and gaps worked around."""
+    return _fix(approximate(schema, narrow))
 
 
 def _fix(schema):
@@ -45,9 +45,47 @@ def _fix(schema):
     if out.get("format") == "date" and "pattern" not in out:
         del out["format"]
         out["pattern"] = DATE_PATTERN
+    elif isinstance(out.get("format"), str) and out["format"] not in _FORMATS:
+        _format(out)
+    if isinstance(out.get("$schema"), str):
+        _dialect(out)
     return out
 
 
+def _format(schema: dict) -> None:
+    """A format the library does not know: its subset the library does know (every URI is a
+    URI reference and an IRI; an ASCII address or host name is an internationalised one), a
+    JSON pointer by its pattern, else dropped (an annotation since draft 2019-09)."""
+    name = schema.pop("format")
+    if name in _NARROWER:
+        schema["format"] = _NARROWER[name]
+    elif name == "json-pointer" and "pattern" not in schema:
+        schema["pattern"] = "^(/([^~/]|~[01])*)*$"
+
+
+def _dialect(schema: dict) -> None:
+    """``$schema`` as the library's registry names it (it fetches nothing and refuses
+    ``https://json-schema.org/draft-04/schema`` though it knows the draft); unknown: dropped."""
+    url = schema["$schema"].rstrip("#")
+    found = next((d for d in _DIALECTS if d in url), None)
+    if found is None:
+        del schema["$schema"]
+    else:
+        schema["$schema"] = _DIALECTS[found]
+
+
+# The formats llguidance 1.9.1 implements; the known ones it does not, by a subset it does.
+_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4",
+                      "ipv6", "uuid", "uri"})  # fmt: skip
+_NARROWER = {"uri-reference": "uri", "iri": "uri", "iri-reference": "uri",
+             "idn-email": "email", "idn-hostname": "hostname"}  # fmt: skip
+_DIALECTS = {
+    "draft-04": "http://json-schema.org/draft-04/schema#",
+    "draft-06": "http://json-schema.org/draft-06/schema#",
+    "draft-07": "http://json-schema.org/draft-07/schema#",
+    "draft/2019-09": "https://json-schema.org/draft/2019-09/schema",
+    "draft/2020-12": "https://json-schema.org/draft/2020-12/schema",
+}
 _YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _MONTH_DAY = (r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"

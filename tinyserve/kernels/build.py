@@ -5,6 +5,11 @@ Each source is built for one ISA level with the system C compiler, named by a ha
 source and flags, so an edited kernel or another CPU never loads a stale library. Without a
 compiler, on a CPU without the ISA, or with ``TINYSERVE_CPU_KERNELS=0``, :func:`load` returns
 None (reason logged once) and callers keep their torch path.
+
+Prebuilt: ``python -m tinyserve.kernels.build --out DIR`` compiles every kernel for every ISA
+level into DIR (the Docker image does, at build time); ``$TINYSERVE_KERNEL_DIR`` (a
+``os.pathsep`` list of such folders) is searched for the same file name before the cache
+folder, so a container without a compiler still runs the kernels of its CPU's level.
 """
 
 from __future__ import annotations
@@ -110,13 +115,58 @@ def built(name: str, level: str | None = None, source_dir: Path | None = None,
     ``emulate_amx``: gemm.c's AMX tiles emulated in scalar code (any level; the tests')."""
     level = level or isa_level()
     source_dir = source_dir or Path(__file__).parent
-    flags = ISA_LEVELS[level][1] + ([EMULATE_AMX] if emulate_amx else [])
-    digest = hashlib.sha256(source_bytes(name, source_dir) + " ".join(flags).encode())
-    tag = "-amxemu" if emulate_amx else ""
-    so_path = cache_dir() / "kernels" / f"{name}-{level}{tag}-{digest.hexdigest()[:16]}.so"
+    flags = _flags(level, emulate_amx)
+    file_name = _so_name(name, level, source_dir, emulate_amx)
+    for folder in prebuilt_dirs():
+        if (folder / file_name).is_file():
+            return folder / file_name
+    so_path = cache_dir() / "kernels" / file_name
     if not so_path.exists():
         _compile(source_dir / f"{name}.c", so_path, flags)
     return so_path
+
+
+def _flags(level: str, emulate_amx: bool = False) -> list[str]:
+    return ISA_LEVELS[level][1] + ([EMULATE_AMX] if emulate_amx else [])
+
+
+def _so_name(name: str, level: str, source_dir: Path, emulate_amx: bool = False) -> str:
+    flags = _flags(level, emulate_amx)
+    digest = hashlib.sha256(source_bytes(name, source_dir) + " ".join(flags).encode())
+    tag = "-amxemu" if emulate_amx else ""
+    return f"{name}-{level}{tag}-{digest.hexdigest()[:16]}.so"
+
+
+def prebuilt_dirs() -> list[Path]:
+    """``$TINYSERVE_KERNEL_DIR``'s folders (``os.pathsep``-separated) of prebuilt kernels."""
+    env = os.environ.get("TINYSERVE_KERNEL_DIR", "")
+    return [Path(d).expanduser() for d in env.split(os.pathsep) if d]
+
+
+def kernel_names() -> list[str]:
+    """Every kernel source: kernels/<name>.c."""
+    return sorted(p.stem for p in Path(__file__).parent.glob("*.c"))
+
+
+def prebuild(out_dir: Path, levels: list[str] | None = None, jobs: int | None = None,
+             names: list[str] | None = None) -> list[Path]:  # fmt: skip
+    """Compile every kernel for every ISA level (default: all of ISA_LEVELS, whether or not
+    this CPU runs them) into ``out_dir``, under the names :func:`built` looks for."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = Path(__file__).parent
+    todo = [(n, lv) for lv in (levels or list(ISA_LEVELS)) for n in (names or kernel_names())]
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(item: tuple[str, str]) -> Path:
+        name, level = item
+        so_path = out_dir / _so_name(name, level, src)
+        if not so_path.exists():
+            _compile(src / f"{name}.c", so_path, _flags(level))
+        return so_path
+
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        return list(pool.map(one, todo))
 
 
 @functools.cache
@@ -167,3 +217,31 @@ def _usable() -> int:
     from tinyserve.utils.cpu import usable_cpus
 
     return usable_cpus()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m tinyserve.kernels.build",
+                                 description="Compile every CPU kernel for every ISA level "
+                                 "into a folder for $TINYSERVE_KERNEL_DIR.")  # fmt: skip
+    ap.add_argument("--out", type=Path, required=True, help="folder for the .so files")
+    ap.add_argument("--levels", nargs="+", choices=list(ISA_LEVELS), help="default: all")
+    ap.add_argument("--kernels", nargs="+", choices=kernel_names(), help="default: all")
+    ap.add_argument("--jobs", type=int, help="parallel compiles (default: one per CPU)")
+    ap.add_argument("--cache", type=Path, help="compile into this folder, reusing what it "
+                    "holds (a build cache), and copy the current set to --out")  # fmt: skip
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    paths = prebuild(args.cache or args.out, args.levels, args.jobs, args.kernels)
+    if args.cache:
+        args.out.mkdir(parents=True, exist_ok=True)
+        paths = [Path(shutil.copy2(p, args.out / p.name)) for p in paths]
+    size = sum(p.stat().st_size for p in paths)
+    print(f"{len(paths)} kernels in {args.out} ({size / 1e6:.1f} MB, "
+          f"{time.monotonic() - t0:.0f} s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

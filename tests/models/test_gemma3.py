@@ -7,14 +7,21 @@ test_families.py's GGUF round trips."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from tinyserve.config import ModelConfig
-from tinyserve.kernels import attention
+from tinyserve.kernels import attention, step
 from tinyserve.models.loader import load_model
 from tinyserve.testing.checkpoints import build_hf, hf_logits, random_tokens, save_hf, tiny_config
-from tinyserve.testing.paged_runner import PagedRunner, batched_and_alone, greedy_generate
+from tinyserve.testing.paged_runner import (
+    PagedRunner,
+    batched_and_alone,
+    greedy_generate,
+    mixed_steps,
+)
 from tinyserve.worker.executor import resolve_max_model_len
 
 BLOCK_SIZE, PROMPT_LEN, DECODE_STEPS = 4, 20, 12
@@ -34,7 +41,7 @@ def test_prefill_and_teacher_forced_decode_match_transformers(gemma, kernels):
     assert ours.config.local_layers == (1, 0, 1)
     on_kernels = kernels and attention.library() is not None
     assert ours.attention_method.name == ("kernel" if on_kernels else "torch")
-    assert ours.model.step_plan is None  # the per-layer kernel path (step.c: no GeGLU)
+    assert (ours.model.step_plan is not None) == (on_kernels and step.library() is not None)
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, seed=7)
     got = PagedRunner(ours, BLOCK_SIZE, num_blocks=64, seed=3).prefill_then_decode(
         tokens, PROMPT_LEN
@@ -56,6 +63,18 @@ def test_a_batched_step_gives_each_sequence_its_logits_alone_bitwise(gemma):
     ours, _ = load_model(gemma[0], dtype=torch.float32)
     for label, batched, alone in batched_and_alone(ours, BLOCK_SIZE):
         assert torch.equal(batched, alone), label
+
+
+@pytest.mark.skipif(step.library() is None, reason="needs the CPU kernels' one-call step")
+def test_layers_in_one_c_call_equal_the_python_loop_bitwise(gemma):
+    """step.c's output norms, GeGLU kernel and second RoPE table: the loop's bits."""
+    fused, _ = load_model(gemma[0], torch.float32, "cpu")
+    loop, _ = load_model(gemma[0], torch.float32, "cpu", fused_step=False)
+    assert fused.model.step_plan is not None and loop.model.step_plan is None
+    a = mixed_steps(PagedRunner(fused, 4, num_blocks=64, seed=1), random.Random(2))
+    b = mixed_steps(PagedRunner(loop, 4, num_blocks=64, seed=1), random.Random(2))
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_the_context_is_capped_at_the_window(gemma):

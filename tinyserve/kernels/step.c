@@ -7,10 +7,12 @@
 // Per layer l, with x the layer input and residual the residual stream ([M, H] each):
 //   l == 0: residual = x; h = norm(x)           else: residual += x; h = norm(residual)
 //   qkv = h W_qkv^T (+ bias); [q/k head norms]; rope + K/V cache write; o = attention(q);
-//   x = o W_o^T [* branch_scale]; residual += x; h = norm(residual);
-//   x = silu_and_mul(h W_gu^T) W_down^T [* branch_scale]
+//   x = o W_o^T [* branch_scale] [x = norm(x)]; residual += x; h = norm(residual);
+//   x = act_and_mul(h W_gu^T) W_down^T [* branch_scale] [x = norm(x)]
 // The bracketed steps are other families' (models/qwen3.py's head norms, granite.py's
-// residual multiplier); a NoPE layer (smollm3.py) rotates by the step's identity tables.
+// residual multiplier, gemma3.py's norms of the attention and MLP outputs); act_and_mul is
+// SiLU's, or Gemma 3's tanh GELU (gelu_tanh_and_mul below); a NoPE layer (smollm3.py)
+// rotates by the step's identity tables, a Gemma 3 local layer by its second table.
 // Rows [0, nd) are decode rows (linear layers with int8_decode send them to qgemm).
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
@@ -46,14 +48,15 @@ typedef struct {
     const float *input_norm, *post_norm;
     linear_t qkv, o, gate_up, down;
     const float *q_norm, *k_norm;  // per-head q/k RMSNorm weights [D], or NULL (Qwen3)
-    int64_t rope;                  // 0: no position encoding here (a NoPE layer)
+    const float *attn_out_norm, *mlp_out_norm;  // norms of the branch outputs, or NULL (Gemma 3)
+    int64_t rope;  // the step's table: 0 the identity (a NoPE layer), 1 the table, 2 the second
 } layer_t;
 
 typedef struct {
     gemm_fn gemm;
     qgemm_fn qgemm;
     rms_fn rms_norm;
-    silu_fn silu_and_mul;
+    silu_fn act_and_mul;  // silu_and_mul (ops.c) or gelu_tanh_and_mul: the MLP's activation
     rope_fn rope_and_cache;
     attn_fn paged_attention;
     head_norm_fn head_norm;
@@ -66,11 +69,32 @@ typedef struct {
 typedef struct {  // this step's attention inputs (layers/attention.py KernelInputs)
     const float *cos, *sin;
     const float *cos_id, *sin_id;  // identity tables (1, 0) for NoPE layers, or NULL
+    const float *cos2, *sin2;      // the second table (Gemma 3's local layers), or NULL
     const int64_t *slot_mapping, *query_start_loc, *seq_lens, *seq_of_token;
     const int32_t *block_tables;
     int64_t max_blocks;
     float *const *k_caches, *const *v_caches;  // [num_layers] each
 } step_t;
+
+// gate_up [rows, 2I] -> out [rows, I]: gelu_tanh(gate) * up, where gelu_tanh(g) =
+// 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3): the form of
+// silu_and_mul (ops.c). I % 8 == 0. The Python loop calls it too (kernels/step.py).
+void gelu_tanh_and_mul(const float *gate_up, float *out, int64_t rows, int64_t I, int nthreads) {
+    const __m256 k = _mm256_set1_ps(-2.0f * 0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+        for (int64_t i = 0; i < I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 cg2 = _mm256_mul_ps(c, _mm256_mul_ps(gv, gv));
+            __m256 inner = _mm256_mul_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), cg2));
+            __m256 e = exp256(_mm256_mul_ps(k, inner));
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
 
 static int linear(const model_t *mo, const linear_t *w, const float *x, float *y, int M, int nd,
                   int nt) {
@@ -95,6 +119,14 @@ static void scale(float *x, int64_t n, float s) {  // one rounding each, as torc
         for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
+// x = norm(x) through the scratch t, where the layer norms a branch's output (Gemma 3).
+static void out_norm(const model_t *mo, const float *w, float *x, float *t, int M, int nt) {
+    if (!w)
+        return;
+    mo->rms_norm(x, NULL, w, t, M, mo->hidden, mo->eps, nt);
+    memcpy(x, t, (size_t)M * mo->hidden * sizeof(float));
+}
+
 // x [M, H]: the embeddings in, the last layer's output out; residual [M, H]: the residual
 // stream out (the final norm is the caller's). Returns 0, or -1 when memory ran out.
 int forward_layers(const model_t *mo, const step_t *st, float *x, float *residual, int M,
@@ -106,7 +138,10 @@ int forward_layers(const model_t *mo, const step_t *st, float *x, float *residua
     float *o = (float *)malloc((size_t)M * NH * D * sizeof(float));
     float *gu = (float *)malloc((size_t)M * 2 * I * sizeof(float));
     float *act = (float *)malloc((size_t)M * I * sizeof(float));
-    int rc = (h && qkv && o && gu && act) ? 0 : -1;
+    float *t = (float *)malloc((size_t)M * H * sizeof(float));
+    const float *cos[3] = {st->cos_id, st->cos, st->cos2};  // by layer_t.rope
+    const float *sin[3] = {st->sin_id, st->sin, st->sin2};
+    int rc = (h && qkv && o && gu && act && t) ? 0 : -1;
     for (int64_t l = 0; l < mo->num_layers && rc == 0; l++) {
         const layer_t *L = &mo->layers[l];
         if (l == 0) {
@@ -118,25 +153,27 @@ int forward_layers(const model_t *mo, const step_t *st, float *x, float *residua
         rc |= linear(mo, &L->qkv, h, qkv, M, nd, nt);
         if (L->q_norm)
             mo->head_norm(qkv, L->q_norm, L->k_norm, M, (int)NH, (int)KVH, (int)D, mo->eps, nt);
-        mo->rope_and_cache(qkv, L->rope ? st->cos : st->cos_id, L->rope ? st->sin : st->sin_id,
-                           st->k_caches[l], st->v_caches[l], st->slot_mapping, M, (int)NH,
-                           (int)KVH, (int)D, nt);
+        mo->rope_and_cache(qkv, cos[L->rope], sin[L->rope], st->k_caches[l], st->v_caches[l],
+                           st->slot_mapping, M, (int)NH, (int)KVH, (int)D, nt);
         rc |= mo->paged_attention(qkv, QKV, st->k_caches[l], st->v_caches[l],
                                   (int)mo->block_size, (int)NH, (int)KVH, (int)D,
                                   st->query_start_loc, st->seq_lens, st->seq_of_token, M,
                                   st->block_tables, st->max_blocks, mo->scale, o, nt);
         rc |= linear(mo, &L->o, o, x, M, nd, nt);
         scale(x, M * H, mo->branch_scale);
+        out_norm(mo, L->attn_out_norm, x, t, M, nt);
         mo->rms_norm(x, residual, L->post_norm, h, M, H, mo->eps, nt);
         rc |= linear(mo, &L->gate_up, h, gu, M, nd, nt);
-        mo->silu_and_mul(gu, act, M, I, nt);
+        mo->act_and_mul(gu, act, M, I, nt);
         rc |= linear(mo, &L->down, act, x, M, nd, nt);
         scale(x, M * H, mo->branch_scale);
+        out_norm(mo, L->mlp_out_norm, x, t, M, nt);
     }
     free(h);
     free(qkv);
     free(o);
     free(gu);
     free(act);
+    free(t);
     return rc ? -1 : 0;
 }

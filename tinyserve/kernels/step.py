@@ -30,11 +30,11 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("q_norm", P), ("k_norm", P),
-                ("rope", I64)]  # fmt: skip
+                ("attn_out_norm", P), ("mlp_out_norm", P), ("rope", I64)]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("gemm", P), ("qgemm", P), ("rms_norm", P), ("silu_and_mul", P),
+    _fields_ = [("gemm", P), ("qgemm", P), ("rms_norm", P), ("act_and_mul", P),
                 ("rope_and_cache", P), ("paged_attention", P), ("head_norm", P),
                 ("branch_scale", F32), ("num_layers", I64),
                 ("hidden", I64), ("intermediate", I64), ("num_heads", I64),
@@ -43,7 +43,8 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("cos", P), ("sin", P), ("cos_id", P), ("sin_id", P), ("slot_mapping", P),
+    _fields_ = [("cos", P), ("sin", P), ("cos_id", P), ("sin_id", P), ("cos2", P),
+                ("sin2", P), ("slot_mapping", P),
                 ("query_start_loc", P),
                 ("seq_lens", P), ("seq_of_token", P), ("block_tables", P),
                 ("max_blocks", I64), ("k_caches", P), ("v_caches", P)]  # fmt: skip
@@ -55,7 +56,19 @@ def library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.forward_layers.argtypes = [P, P, P, P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.forward_layers.restype = ctypes.c_int
+        lib.gelu_tanh_and_mul.argtypes = [P, P, I64, I64, ctypes.c_int]
+        lib.gelu_tanh_and_mul.restype = None
     return lib
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2I] float32 -> gelu_tanh(gate) * up [rows, I] (Gemma 3's GeGLU), the
+    kernel step.c calls, for the Python loop."""
+    rows, two_i = gate_up.shape
+    out = torch.empty(rows, two_i // 2, dtype=torch.float32)
+    library().gelu_tanh_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_i // 2,
+                                kernel_threads())  # fmt: skip
+    return out
 
 
 def _fn(lib: ctypes.CDLL, name: str) -> int:
@@ -92,9 +105,11 @@ class StepPlan:
         libs = (gemm.library(), gemm.q8_library(), ops.library(), attention.library())
         self._lib = library()
         tiles = "_tiles" if model.attention_method.tiles else ""  # as the Python loop
+        gelu = model.model.layers[0].mlp.activation == "gelu_tanh"  # Gemma 3's, else SiLU
+        act = _fn(self._lib, "gelu_tanh_and_mul") if gelu else _fn(libs[2], "silu_and_mul")
         self._struct = _Model(
             _fn(libs[0], "gemm"), _fn(libs[1], "qgemm"), _fn(libs[2], "rms_norm"),
-            _fn(libs[2], "silu_and_mul"), _fn(libs[2], "rope_and_cache"),
+            act, _fn(libs[2], "rope_and_cache"),
             _fn(libs[3], "paged_attention" + tiles), _fn(libs[2], "head_norm"),
             model.model.layers[0].residual_multiplier, cfg.num_hidden_layers, cfg.hidden_size,
             cfg.intermediate_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
@@ -134,10 +149,12 @@ class StepPlan:
         residual = torch.empty_like(x)
         kin = meta.kernel
         ks, vs = self._cache_ptrs(kv_caches)
-        cos, sin = (t.contiguous() for t in cos_sin)
+        tables = (*cos_sin[0], *cos_sin[1]) if isinstance(cos_sin[0], tuple) else cos_sin
+        cos, sin, cos2, sin2 = (*(t.contiguous() for t in tables), None, None)[:4]  # Gemma 3: 4
         ident = (torch.ones_like(cos), torch.zeros_like(sin)) if self._nope else (None, None)
         self._struct.block_size = meta.block_size
         step = _Step(cos.data_ptr(), sin.data_ptr(), _ptr(ident[0]), _ptr(ident[1]),
+                     _ptr(cos2), _ptr(sin2),
                      meta.slot_mapping.data_ptr(),
                      kin.query_start_loc.data_ptr(), kin.seq_lens.data_ptr(),
                      kin.seq_of_token.data_ptr(), kin.block_tables.data_ptr(),
@@ -153,7 +170,8 @@ class StepPlan:
 
 def build_plan(model) -> StepPlan | None:
     """A StepPlan when every layer runs on the kernels (packed linears, fused norms, RoPE,
-    SiLU and the block-table attention, one rank); else None (the Python path serves)."""
+    the MLP's activation and the block-table attention, one rank); else None (the Python
+    path serves)."""
     if library() is None or model.tp.size != 1 or not model.fused_step_ok:
         return None
     if not model.attention_method.block_table_inputs:  # the CPU kernels' attention only
@@ -163,7 +181,7 @@ def build_plan(model) -> StepPlan | None:
     layers, keep = [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        norms = [n for n in layer.step_norms() if n is not None]
         if not (mlp.use_kernel and all(n.use_kernel for n in norms)):
             return None
         lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -171,8 +189,9 @@ def build_plan(model) -> StepPlan | None:
             return None
         q_norm, k_norm = (getattr(attn, n, None) for n in ("q_norm", "k_norm"))
         heads = [None if m is None else m.weight for m in (q_norm, k_norm)]
-        layers.append(_Layer(_ptr(norms[0].weight), _ptr(norms[1].weight), *lins,
-                             *map(_ptr, heads), int(attn.use_rope)))  # fmt: skip
+        weights = [None if n is None else n.weight for n in layer.step_norms()]
+        layers.append(_Layer(*map(_ptr, weights[:2]), *lins, *map(_ptr, heads),
+                             *map(_ptr, weights[2:]), attn.step_table))  # fmt: skip
         keep += [n.weight for n in norms] + heads
         keep += [(m.method.kernel, m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip

@@ -8,15 +8,16 @@ layer with
 - Qwen3's per-head RMSNorm on q and k, and the softmax scale query_pre_attn_scalar ** -0.5;
 - a norm after attention and after the MLP too (four per layer), each branch normed before it
   joins the residual stream;
-- GeGLU: tanh-approximated GELU on the gate (torch; elementwise, so batch-invariant);
+- GeGLU: tanh-approximated GELU on the gate (torch, or on the kernels step.c's
+  gelu_tanh_and_mul, which the Python loop calls too; elementwise, so batch-invariant);
 - local layers (five of every six) with their own RoPE base (rope_local_theta, unscaled) and
   a sliding window, interleaved with global layers (rope_theta and its scaling): two RoPE
   tables per step, each layer taking its own through ``LlamaAttention.rotary``. The served
   context is capped at the window as for Mistral (worker/executor.py), where full attention
   is the windowed one exactly.
 
-kernels/step.c knows none of GeGLU, the post-norms or a second table: ``fused_step_ok`` is
-False, and the CPU kernels serve each layer from the Python loop (linears, attention, norms).
+The one-call fused step (kernels/step.c) reads all of it as data: each layer's four norms
+(``step_norms``), its table (``step_table``) and the MLP's ``activation``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.config import ModelConfig
+from tinyserve.kernels import step
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding
 from tinyserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -43,10 +45,19 @@ class Gemma3Attention(Qwen3Attention):
         """The step's (global, local) tables: this layer's."""
         return cos_sin[1] if self.local else cos_sin[0]
 
+    @property
+    def step_table(self) -> int:
+        return 2 if self.local else 1
+
 
 class Gemma3MLP(LlamaMLP):
+    activation = "gelu_tanh"
+
     def forward(self, x: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, num_decode).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, num_decode)
+        if self.use_kernel:  # the kernel the fused step calls (kernels/step.c)
+            return self.down_proj(step.gelu_tanh_and_mul(gate_up), num_decode)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up, num_decode)
 
 
@@ -56,6 +67,10 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.mlp = Gemma3MLP(config, dtype, tp)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def step_norms(self):
+        return (self.input_layernorm, self.pre_feedforward_layernorm,
+                self.post_attention_layernorm, self.post_feedforward_layernorm)  # fmt: skip
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """-> (this layer's output, the residual stream before it is added); Gemma's
@@ -99,7 +114,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     model_cls = Gemma3Model
     layer_cls = Gemma3DecoderLayer
     attention_cls = Gemma3Attention
-    fused_step_ok = False  # GeGLU, post-norms, two RoPE tables: the per-layer kernel path
 
     def checkpoint_tensors(self, tensors, gguf: bool = False):
         """Every norm weight w as 1 + w (float32), unless the GGUF converter added it."""

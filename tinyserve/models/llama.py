@@ -82,6 +82,12 @@ class LlamaAttention(nn.Module):
         """Hook: this layer's RoPE tables (SmolLM3's NoPE layers: the identity)."""
         return cos_sin
 
+    @property
+    def step_table(self) -> int:
+        """Which table the fused step rotates this layer by, as ``rotary`` picks: 0 the
+        identity, 1 the step's, 2 its second (Gemma 3's local layers)."""
+        return int(self.use_rope)
+
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
@@ -96,6 +102,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    activation = "silu"  # of the gate; the fused step reads it (gemma3.py: "gelu_tanh")
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -133,6 +141,11 @@ class LlamaDecoderLayer(nn.Module):
         """Hook: an attention or MLP output before it joins the residual stream (Granite
         scales it). Llama: as it is."""
         return h
+
+    def step_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """The norms as the fused step applies them: before attention, before the MLP, on
+        the attention output and on the MLP output (None: none there; Gemma 3 has all)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """-> (this layer's output, the residual stream before it is added)."""
@@ -200,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     attention_cls: type[LlamaAttention] = LlamaAttention
     # Whether kernels/step.py's one-call step computes this family: step.c knows Llama's
-    # layer and the differences of qwen3.py, granite.py and smollm3.py (head norms, branch
-    # scale, NoPE layers); a family with another difference sets False until it learns it.
+    # layer and the differences of qwen3.py, granite.py, smollm3.py and gemma3.py (head
+    # norms, branch scale, NoPE layers, output norms, GeGLU, a second RoPE table; phi3.py's
+    # are data); a family with another difference sets False until it learns it.
     fused_step_ok = True
 
     def __init__(

@@ -18,9 +18,11 @@ from tinyserve.testing.checkpoints import (
     LLAMA3_ROPE,
     build_hf,
     llama_config,
+    phi3_longrope,
     qwen2_config,
     random_tokens,
     save_hf,
+    tiny_config,
 )
 from tinyserve.testing.paged_runner import PagedRunner
 from tinyserve.testing.server import free_port
@@ -35,10 +37,16 @@ def tiny_paths(tmp_path_factory):
     shape = dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=256)
     llama = save_hf(build_hf(llama_config(rope_scaling=LLAMA3_ROPE, **shape)), root / "llama")
     qwen2 = save_hf(build_hf(qwen2_config(**shape), seed=7), root / "qwen2")
-    return {"llama": str(llama), "qwen2": str(qwen2)}
+    # Phi-3's fused checkpoint tensors split before each rank takes its slice, with its
+    # partial-rotary row order and LongRoPE (heads of 16: 12 rotated); Gemma 3's layer.
+    phi3 = tiny_config("phi3", hidden_size=128, **shape, **phi3_longrope(12))
+    gemma3 = tiny_config("gemma3", **shape)
+    return {"llama": str(llama), "qwen2": str(qwen2),
+            "phi3": str(save_hf(build_hf(phi3, seed=5), root / "phi3")),
+            "gemma3": str(save_hf(build_hf(gemma3, seed=6), root / "gemma3"))}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma3"])
 def test_tp2_logits_match_tp1_prefill_and_decode(tiny_paths, arch, tmp_path):
     path = tiny_paths[arch]
     tokens, prompt_len = random_tokens(40, seed=11), 24  # prefill 24, then 16 decode steps

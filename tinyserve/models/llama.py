@@ -3,11 +3,12 @@
 Llama, Qwen2 and Mistral differ only by config: q/k/v bias (Qwen2), tied or separate LM
 head, RoPE scaling. q/k/v and gate/up are fused into one matrix each (one GEMM instead of
 three/two); the loader's name table maps checkpoint tensors into the fused shards. Other
-families (qwen3.py, granite.py, smollm3.py, phi3.py) subclass these classes and override a
-hook: ``LlamaAttention.normalize_qk`` / ``rotary``, ``LlamaDecoderLayer.branch``,
-``LlamaModel.embed`` / ``build_rotary``, ``LlamaForCausalLM.compute_logits`` /
-``checkpoint_tensors`` / ``qkv_row_order``; its ``*_cls`` class attributes say which class
-each level builds. models/registry.py maps architecture names to the classes.
+families (qwen3.py, granite.py, smollm3.py, phi3.py, gemma3.py) subclass these classes and
+override a hook: ``LlamaAttention.normalize_qk`` / ``rotary`` / ``step_table``,
+``LlamaDecoderLayer.branch`` / ``step_norms`` (or its forward), ``LlamaModel.embed`` /
+``build_rotary``, ``LlamaForCausalLM.compute_logits`` / ``checkpoint_tensors`` /
+``qkv_row_order``; its ``*_cls`` class attributes say which class each level builds.
+models/registry.py maps architecture names to the classes.
 
 How attention runs is one ``AttentionMethod`` object (layers/attention_method.py) the loader
 hands to ``set_attention_method``, as each linear layer gets its ``LinearMethod``; the fused

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import sys
 
@@ -37,11 +38,36 @@ def available(device: torch.device | str) -> bool:
     if importlib.util.find_spec("triton") is None or kind not in ("cuda", "cpu"):
         return False
     if kind == "cuda":
-        return True
+        return _runs_on_cuda()
     if torch.cuda.is_available():
         return False
     _import_triton()
     return type(tl.sum).__name__ == "InterpretedFunction"  # its library built to interpret
+
+
+@functools.cache
+def _runs_on_cuda() -> bool:
+    """Run the kernel once on a tiny input against torch: Triton builds its launcher on first
+    use with the system C compiler and Python's headers and needs the driver's libcuda, so a
+    runtime without them (a slim container) gets the torch path, with the reason logged,
+    instead of a failure at the first decode step."""
+    try:
+        _import_triton()
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(s, generator=g).cuda() for s in ((1, 2, 16), (1, 16, 1, 16),
+                                                                  (1, 16, 1, 16)))  # fmt: skip
+        seq_lens = torch.tensor([5], dtype=torch.int32, device=q.device)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
+        out = paged_decode_attention(q, k, v, seq_lens, table, 0.25)
+        ref = torch.softmax(q[0] @ k[0, :5, 0].T * 0.25, -1) @ v[0, :5, 0]
+        err = (out[0] - ref).abs().max().item()
+        if err > 1e-3:
+            raise RuntimeError(f"differs from torch by {err:.2g} on a 5-token check")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure means: not usable here
+        logging.getLogger(__name__).warning(
+            "Triton decode attention off on CUDA (torch attention instead): %s", e)
+        return False
 
 
 def _import_triton() -> None:

@@ -128,8 +128,16 @@ GGUF_CONFIGS = {
     # GGUF has no key for SmolLM3's NoPE layers: llama.cpp takes every 4th (its default too).
     "smollm3": {"num_hidden_layers": 4, "no_rope_layers": None},
     # llama.cpp infers Gemma 3's local layers (every 6th global) and softmax scale (head_dim):
-    # the checkpoint has them so; its norms are written as 1 + w.
-    "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
+    # the checkpoint has them so; its norms are written as 1 + w; a local RoPE base of its own.
+    "gemma3": {
+        "num_hidden_layers": 6,
+        "layer_types": None,
+        "query_pre_attn_scalar": 32,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5e4},
+        },
+    },
 }
 
 

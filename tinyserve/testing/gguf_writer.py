@@ -93,6 +93,7 @@ def _metadata(w, cfg) -> None:
     gemma = cfg.model_type == "gemma3_text"
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     if head_dim and (gemma or head_dim != cfg.hidden_size // cfg.num_attention_heads):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -100,8 +100,9 @@ def gguf_family_fields(fields: Mapping[str, Any], arch: str, num_layers: int) ->
         out["partial_rotary_factor"] = int(rot) / int(head_dim) if rot else 1.0
         if fields.get(f"{arch}.attention.sliding_window"):  # 0: none (the converter's Phi-4)
             out["sliding_window"] = int(fields[f"{arch}.attention.sliding_window"])
-    if arch == "gemma3":  # as llama.cpp: every 6th layer global, local base 10000, no scalar key
+    if arch == "gemma3":  # as llama.cpp: every 6th layer global; local base 10000 unless given
         out["local_layers"] = tuple(int(i % 6 < 5) for i in range(num_layers))
+        out["rope_local_theta"] = float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0))
         head_dim = int(fields.get(f"{arch}.attention.key_length") or 256)
         heads = int(fields[f"{arch}.attention.head_count"])
         scalar = int(fields[f"{arch}.embedding_length"]) // heads if num_layers == 62 else head_dim

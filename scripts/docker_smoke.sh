@@ -23,7 +23,8 @@
 # Environment: BASE_IMAGE (skip debootstrap, e.g. debian:bookworm-slim where Docker Hub is
 # reachable), IMAGE (default tinyserve:cpu), SMOKE_PORT (default 8799), SMOKE_LOG (folder for
 # the logs, default /tmp/tinyserve-docker-smoke), DOCKER (a client, default: one that can
-# use BuildKit).
+# use BuildKit), TORCH_VERSION / TORCH_INDEX_URL (default: torch 2.13.0+cpu from this host's
+# pip settings if they reach it, else from PyTorch's CPU index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -77,6 +78,13 @@ if ! engine_up; then
     for _ in $(seq 60); do engine_up && break; sleep 0.5; done
     engine_up || skip "dockerd did not come up in 30 s: $(tail -3 "$LOG/dockerd.log" | tr '\n' ' ')"
 fi
+if [ "$REPLICAS" = 1 ] && ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+        || skip "--replicas needs docker-compose or the compose plugin"
+    say "installing docker-compose (apt)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+          docker-compose >>"$LOG/apt.log" 2>&1; } || skip "apt-get install docker-compose failed"
+fi
 DOCKER=$(pick_client)
 say "engine $(docker version --format '{{.Server.Version}}' 2>/dev/null), build client $DOCKER"
 
@@ -126,10 +134,21 @@ trap cleanup EXIT
 for _ in $(seq 50); do [ -s "$PIP_ARGS_FILE" ] && break; sleep 0.1; done
 mapfile -t BUILD_ARGS < "$PIP_ARGS_FILE"
 cat "$LOG/pip_args.log"
+# torch: from the same pip settings when they reach the CPU build (resolved here, nothing
+# downloaded), else from the Dockerfile's default, PyTorch's own CPU index. TORCH_INDEX_URL set
+# (even empty) decides instead.
+if [ -n "${TORCH_INDEX_URL+x}" ]; then
+    BUILD_ARGS+=("--build-arg=TORCH_INDEX_URL=$TORCH_INDEX_URL")
+elif timeout 120 python3 -m pip install --dry-run --no-deps --ignore-installed -q \
+        "torch==${TORCH_VERSION:-2.13.0}+cpu" >/dev/null 2>&1; then
+    say "torch ${TORCH_VERSION:-2.13.0}+cpu: from this host's pip settings"
+    BUILD_ARGS+=("--build-arg=TORCH_INDEX_URL=")
+fi
+[ -z "${TORCH_VERSION:-}" ] || BUILD_ARGS+=("--build-arg=TORCH_VERSION=$TORCH_VERSION")
 t=$SECONDS
 say "building $IMAGE from $BASE_IMAGE (log: $LOG/build.log)"
 DOCKER_BUILDKIT=1 "$DOCKER" build --progress=plain --network host -f docker/Dockerfile \
-    --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg TORCH_INDEX_URL= "${BUILD_ARGS[@]}" \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE" "${BUILD_ARGS[@]}" \
     -t "$IMAGE" . >"$LOG/build.log" 2>&1 || { tail -30 "$LOG/build.log"; fail "docker build"; }
 kill "$PIP_ARGS_PID" 2>/dev/null || true
 lap "image build" "$t"

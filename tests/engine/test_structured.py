@@ -119,6 +119,34 @@ def test_an_answer_that_breaks_a_checked_keyword_is_an_error(fuzz_model):
     assert_no_leaks(engine)
 
 
+def test_grammar_forced_tokens_are_drafts_that_change_nothing(fuzz_model, monkeypatch):
+    """Grammar fast-forward (on by default, no --speculative-config): the tokens a schema
+    forces (keys, punctuation, enum tails) are drafted and all accepted, in fewer steps,
+    and every output (greedy and seeded sampling, n=2) is the one plain decoding gives."""
+
+    def run(fast_forward: bool):
+        engine = _engine(fuzz_model)
+        if not fast_forward:
+            monkeypatch.setattr(engine.core.proposer, "_forced", lambda request, budget: [])
+        prompt = engine.tokenizer.encode("Give me a person:")
+        so = StructuredOutputsParams(json=SCHEMA)
+        engine.add_request("greedy", prompt, _params(so, temperature=0.0))
+        for seed in range(3):
+            engine.add_request(f"r{seed}", prompt, _params(so, seed=seed, n=2))
+        out = drain(engine)
+        texts = {rid: [(c.token_ids, c.finish_reason) for _, c in sorted(out.choices[rid].items())]
+                 for rid in out.choices}  # fmt: skip
+        assert_no_leaks(engine)
+        return texts, engine.core.proposer.stats, engine.core.num_steps
+
+    fast, stats, steps = run(True)
+    plain, plain_stats, plain_steps = run(False)
+    assert fast == plain
+    assert plain_stats.num_draft_tokens == 0
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert steps < plain_steps
+
+
 def test_regex_choice_and_json_object(fuzz_model):
     engine = _engine(fuzz_model)
     prompt = engine.tokenizer.encode("Answer:")

@@ -229,3 +229,23 @@ def test_rollback_of_eos_restores_the_state_before_it(backend, smollm2_tokenizer
     matcher.fill_bitmask(after, 0)
     assert torch.equal(before, after)
     assert matcher.accept_tokens([eos]) and matcher.is_terminated()
+
+
+def test_forced_tokens_spell_what_the_grammar_allows_alone(backend, compiled, smollm2_tokenizer):
+    """Fast-forward: from the start SCHEMA forces '{"name": "' (its first property is
+    required); inside the free string nothing is forced; each forced token is the only one
+    its mask allows; after the end nothing."""
+    m = backend.matcher(compiled)
+    forced = m.forced_tokens()
+    assert forced and '{"name": "'.startswith(smollm2_tokenizer.decode(forced))
+    bitmask = backend.allocate_bitmask(1)
+    for t in forced:
+        m.fill_bitmask(bitmask, 0)
+        assert _allowed(bitmask) == {t}
+        assert m.accept_tokens([t])
+    m.reset()
+    assert m.accept_tokens(smollm2_tokenizer.encode('{"name": "a', add_special_tokens=False))
+    assert m.forced_tokens() == []
+    m.reset()
+    assert m.accept_tokens(smollm2_tokenizer.encode(DOC, add_special_tokens=False))
+    assert m.accept_tokens([backend.eos_token_ids[0]]) and m.forced_tokens() == []

@@ -30,6 +30,13 @@ after the drafts before it (engine/structured_output.py).
 A request with a ``prediction`` (Predicted Outputs) drafts from it instead (prediction.py),
 under the same pricing; the engine keeps a proposer for those even without
 ``--speculative-config`` (``ngram=False``: other requests never draft).
+
+Grammar fast-forward (SGLang's jump-forward, on by default): where a constrained request's
+grammar allows one continuation only (a JSON key with its quotes, punctuation, the rest of
+an enum value), those tokens (``Matcher.forced_tokens``, llguidance's fast-forward) are the
+draft: each verified position's mask allows that token alone, so the draft is accepted in
+full (acceptance 1 in the pricing, and nothing learnt from it of the request's n-gram
+acceptance). They come before any other draft source.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ _DECAY = 0.6  # per verification, the weight of a request's older acceptance evi
 _PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.8, 0.2
 _PROBE_EVERY = 8
 _PROBE_TOKENS = 2
+_FORCED_MAX = 16  # a JSON key with its quotes and colon, the tail of an enum value, ...
 
 
 @dataclass
@@ -65,6 +73,7 @@ class _RequestState:
     accepted: float = _PRIOR_ACCEPTED
     rejected: float = _PRIOR_REJECTED
     steps_since_draft: int = 0
+    forced: int = 0  # drafts of the last step that were the grammar's forced tokens
 
     @property
     def acceptance(self) -> float:
@@ -138,8 +147,6 @@ class NgramProposer:
         cfg = self.config
         if num_running > cfg.max_batch_size:
             return []
-        if not self.ngram and request.sampling_params.prediction is None:
-            return []
         k = min(
             cfg.num_speculative_tokens,
             budget - 1,
@@ -148,14 +155,22 @@ class NgramProposer:
         )
         if k < 1:
             return []
+        forced = self._forced(request, budget)
+        if not self.ngram and request.sampling_params.prediction is None and not forced:
+            return []
         if not cfg.adaptive:
-            return self._propose(request, k)
+            return forced or self._propose(request, k)
         state = self._state.setdefault(request.request_id, _RequestState())
         # Outside a scheduled step (no begin_step): a step of the running requests alone.
         if self._step is None and self._opened is not None:
             self._step, self._opened = _step_before_drafts(*self._opened), None
         step = self._step if self._step is not None else [num_running, num_running]
         rows, tokens = step
+        if forced:  # accepted for certain (p = 1): priced, but no acceptance to learn
+            n, gain = best_draft_length(self.cost, int(rows), tokens, 1.0, len(forced))
+            step[0], step[1] = rows + n, tokens + gain
+            state.forced = n
+            return forced[:n]
         p = state.acceptance
         # Priced for the longest draft allowed first: if no length up to k pays, none of a
         # shorter proposal does either, and the n-gram search is skipped.
@@ -182,6 +197,17 @@ class NgramProposer:
         step[0], step[1] = rows + n, tokens + gain
         return proposal[:n]
 
+    @staticmethod
+    def _forced(request: Request, budget: int) -> list[int]:
+        """The tokens a constrained request's grammar forces next (they cannot be rejected:
+        each one's mask allows it alone), within the step's budget, its max_tokens and the
+        context, or []."""
+        if request.grammar is None:
+            return []
+        k = min(_FORCED_MAX, budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                request.max_model_len - request.num_tokens - 1)  # fmt: skip
+        return request.grammar.forced_tokens()[:k] if k > 0 else []
+
     def _propose(self, request: Request, k: int) -> list[int]:
         prediction = request.sampling_params.prediction
         if prediction is not None:
@@ -198,9 +224,12 @@ class NgramProposer:
         s.num_drafts += 1
         s.num_draft_tokens += num_drafted
         s.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
+        for pos in range(min(num_accepted, len(s.accepted_per_pos))):  # forced runs are longer
             s.accepted_per_pos[pos] += 1
         state = self._state.setdefault(request_id, _RequestState())
+        if state.forced:  # the grammar's own tokens: nothing learnt of the n-gram drafts
+            state.forced = 0
+            return
         rejected = 1.0 if num_accepted < num_drafted else 0.0
         state.accepted = _DECAY * state.accepted + num_accepted
         state.rejected = _DECAY * state.rejected + rejected

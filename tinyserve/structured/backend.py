@@ -107,6 +107,15 @@ class Matcher:
         if num_tokens and not self._m.rollback(num_tokens):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens that follow whatever the model does: the grammar allows one
+        continuation only from here (a property name, punctuation, the rest of an enum
+        value; llguidance's fast-forward, SGLang's jump-forward). [] when none, or once
+        the grammar has ended or failed."""
+        if self._m.is_stopped() or self._m.is_error():
+            return []
+        return list(self._m.compute_ff_tokens())
+
     def error(self) -> str:
         """The library's message once it put the matcher in an error state (a parser limit
         passed), else ""."""

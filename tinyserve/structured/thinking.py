@@ -75,6 +75,10 @@ class ThinkingGate:
             value = int(bitmask[row, word].item()) | (1 << bit)
             bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
+    def forced_tokens(self) -> list[int]:
+        """The grammar's forced tokens once it applies; none while the model may think."""
+        return self._inner.forced_tokens() if self._state == GRAMMAR else []
+
     def error(self) -> str:
         return self._inner.error()
 

@@ -157,8 +157,19 @@ say "image size $(( SIZE / 1000000 )) MB"
 docker run --rm --entrypoint sh "$IMAGE" -c \
     'for d in /opt/venv/lib/python3*/site-packages/torch /opt/venv /models /opt/tinyserve/kernels /usr; do du -sm $d; done' \
     | sed 's/^/docker_smoke:   MB /'
+# Every kernel at every ISA level is in the image and loads (dlopen) with no compiler there.
+docker run --rm --entrypoint python3 "$IMAGE" -c '
+import ctypes, shutil
+from tinyserve.kernels import build
+assert shutil.which("gcc") is None and shutil.which("cc") is None, "a compiler in the image"
+libs = [ctypes.CDLL(str(build.built(n, lv))) for lv in build.ISA_LEVELS for n in build.kernel_names()]
+print(f"docker_smoke: {len(libs)} prebuilt kernels load ({len(build.ISA_LEVELS)} ISA levels), no compiler in the image")
+' || fail "prebuilt kernels"
 if docker image inspect -f '{{range .Config.Env}}{{println .}}{{end}}' "$IMAGE" | grep -E '^(PIP_|TORCH_INDEX)'; then
     fail "build settings leaked into the image's ENV"
+fi
+if docker history --no-trunc --format '{{.CreatedBy}}' "$IMAGE" | grep -E 'PIP_|127\.0\.0\.1|pip_cert'; then
+    fail "build settings recorded in the image's history"
 fi
 
 # --- run it ---------------------------------------------------------------------------------

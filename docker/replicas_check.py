@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -93,6 +94,15 @@ def main() -> int:
     compose = [*compose_cmd(), "-p", PROJECT, "-f", str(COMPOSE_FILE)]
     say = lambda msg: print(f"docker_smoke: replicas: {msg}", flush=True)  # noqa: E731
     t0 = time.monotonic()
+    for port in (LB_PORT, STATS_PORT):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+        except urllib.error.HTTPError:
+            pass
+        except OSError:
+            continue  # free
+        say(f"FAILED: port {port} already answers (set REPLICAS_LB_PORT / REPLICAS_STATS_PORT)")
+        return 1
     try:
         sh([docker, "build", "-q", "-f", "docker/Dockerfile.lb", "--network", "host",
             "--build-arg", f"BASE_IMAGE={base}", "-t", "tinyserve-lb", str(ROOT)], log,

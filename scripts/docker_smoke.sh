@@ -174,6 +174,9 @@ fi
 
 # --- run it ---------------------------------------------------------------------------------
 docker rm -f "$NAME" >/dev/null 2>&1 || true
+if curl -s -o /dev/null "http://127.0.0.1:$PORT/"; then
+    fail "port $PORT already answers (another server?): set SMOKE_PORT to a free one"
+fi
 t=$SECONDS
 START_NS=$(date +%s%N)
 docker run -d --name "$NAME" --network host "$IMAGE" --port "$PORT" >/dev/null

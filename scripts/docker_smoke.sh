@@ -11,7 +11,7 @@
 # the flags this kind of machine needs: overlay2, no iptables, no default bridge); make the
 # base image offline if missing (debootstrap of this host's Debian/Ubuntu release from the
 # apt mirror it already uses, `docker import` -> tinyserve-base:<release>, cached); build
-# docker/Dockerfile with this host's pip settings (docker/pip_args.py); run the container
+# docker/Dockerfile with this host's pip settings (scripts/docker_pip_args.py); run the container
 # with --network host on $SMOKE_PORT (not 8321: the health check must follow the port); wait
 # for /health and for Docker's "healthy"; one streamed chat completion; one structured-output
 # request (response_format json_schema); the start-up log must say the C kernels are on;
@@ -123,7 +123,7 @@ fi
 
 # --- the image ------------------------------------------------------------------------------
 PIP_ARGS_FILE=$(mktemp)
-python3 docker/pip_args.py "$PIP_ARGS_FILE" 2>"$LOG/pip_args.log" &
+python3 scripts/docker_pip_args.py "$PIP_ARGS_FILE" 2>"$LOG/pip_args.log" &
 PIP_ARGS_PID=$!
 cleanup() {
     kill "$PIP_ARGS_PID" 2>/dev/null || true

@@ -4,26 +4,19 @@ Dockerfiles' and compose files' promises. scripts/docker_smoke.sh (CI) runs the 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
-
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from scripts import docker_healthcheck, docker_pip_args
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, DOCKER / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -51,7 +44,7 @@ def test_prebuilt_kernels_load_without_a_compiler(tmp_path, monkeypatch):
 
 
 def test_health_check_follows_the_servers_port():
-    hc = _load("healthcheck")
+    hc = docker_healthcheck
     argv = ["/opt/venv/bin/python3", "/opt/venv/bin/tinyserve", "serve", "--host", "0.0.0.0",
             "--port", "8321", "--port", "8700"]  # fmt: skip
     assert hc.option(argv, "--port", "1") == "8700"  # the last one wins, as in argparse
@@ -61,12 +54,13 @@ def test_health_check_follows_the_servers_port():
 
 
 def test_pip_settings_become_build_arguments(tmp_path, monkeypatch):
-    pa = _load("pip_args")
+    pa = docker_pip_args
     (tmp_path / "simple" / "demo").mkdir(parents=True)
     (tmp_path / "files").mkdir()
     (tmp_path / "files" / "demo-1.0-py3-none-any.whl").write_bytes(b"wheel")
     (tmp_path / "simple" / "demo" / "index.html").write_text(
-        '<a href="../../files/demo-1.0-py3-none-any.whl">demo</a>')
+        '<a href="../../files/demo-1.0-py3-none-any.whl">demo</a>'
+    )
     listing = (
         f"global.extra-index-url='https://example.invalid/simple file://{tmp_path}/simple'\n"
         f"global.find-links='{tmp_path / 'files'}'\n"
@@ -129,7 +123,10 @@ def test_compose_files():
     assert (DOCKER / "tinyserve.env.example").is_file()
     rep = yaml.safe_load((DOCKER / "compose.replicas.yaml").read_text())
     replicas = [n for n in rep["services"] if n.startswith("replica-")]
-    assert len(replicas) >= 2 and rep["services"]["lb"]["build"]["dockerfile"] == "docker/Dockerfile.lb"
+    assert (
+        len(replicas) >= 2
+        and rep["services"]["lb"]["build"]["dockerfile"] == "docker/Dockerfile.lb"
+    )
     cfg = (DOCKER / "haproxy.cfg").read_text()
     assert "option httpchk GET /health" in cfg and "http-check expect status 200" in cfg
     assert "retry-on conn-failure" in cfg
@@ -141,7 +138,9 @@ def test_dockerignore_is_an_allowlist():
     lines = [ln for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln and ln[0] != "#"]
     assert lines[0] == "*"  # .git, .venv, caches and results stay out of the context
     for dockerfile in ("Dockerfile", "Dockerfile.cuda", "Dockerfile.lb"):
-        for src in re.findall(r"^COPY (?!--from)(.+) \S+$", (DOCKER / dockerfile).read_text(), re.M):
+        for src in re.findall(
+            r"^COPY (?!--from)(.+) \S+$", (DOCKER / dockerfile).read_text(), re.M
+        ):
             for path in src.split():
                 top = path.split("/")[0]
                 assert any(ln.lstrip("!").rstrip("/") in (path, top) for ln in lines[1:]), path

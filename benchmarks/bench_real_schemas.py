@@ -15,6 +15,9 @@ one server after another. Every answer is put in one class:
   checked on the answer, broken);
 * ``error``: a 5xx, a timeout or a dropped connection.
 
+``--x-guidance '{"whitespace_flexible": true}'`` sends each schema with that top-level
+``x-guidance`` (tinyserve's grammar options) to compare JSON layouts.
+
 python benchmarks/bench_real_schemas.py --server tinyserve=http://127.0.0.1:8331 \
     [--server vllm=...] [--sample ~/.cache/tinyserve/schema-sample/sample.json] \
     [--out benchmarks/results/real_schemas.json]
@@ -61,8 +64,9 @@ def check(schema: dict, text: str) -> tuple[str, bool]:
     return "valid", next(iter(formats.iter_errors(value)), None) is None
 
 
-def one(url: str, model: str, item: dict, max_tokens: int) -> dict:
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": item["schema"]}}
+def one(url: str, model: str, item: dict, max_tokens: int, extra: dict | None = None) -> dict:
+    schema = {**item["schema"], "x-guidance": extra} if extra else item["schema"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     body = {"model": model, "messages": [{"role": "user", "content": prompt_of(item)}],
             "max_tokens": max_tokens, "temperature": 0, "response_format": fmt}  # fmt: skip
     t0 = time.perf_counter()
@@ -88,10 +92,12 @@ def one(url: str, model: str, item: dict, max_tokens: int) -> dict:
     return {**row, "class": cls, "formats_ok": formats_ok, "text": text[:400]}
 
 
-def run(url: str, model: str, sample: list[dict], max_tokens: int, concurrency: int) -> dict:
+def run(
+    url: str, model: str, sample: list[dict], max_tokens: int, concurrency: int, extra=None
+) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
-        rows = list(ex.map(lambda it: one(url, model, it, max_tokens), sample))
+        rows = list(ex.map(lambda it: one(url, model, it, max_tokens, extra), sample))
     counts = Counter(r["class"] for r in rows)
     summary = {c: counts.get(c, 0) for c in CLASSES}
     summary["bad_format"] = sum(r.get("formats_ok") is False for r in rows)
@@ -112,12 +118,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/real_schemas.json"))
+    ap.add_argument("--x-guidance", type=json.loads, default=None,
+                    help="JSON put under each schema's top-level x-guidance (tinyserve's "
+                    "llguidance options, e.g. whitespace)")  # fmt: skip
     args = ap.parse_args()
     sample = json.loads(args.sample.read_text()) if args.sample.exists() else build()
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     results = old.get("servers", {})
     for label, url in (s.split("=", 1) for s in args.server):
-        results[label] = run(url, args.model, sample, args.max_tokens, args.concurrency)
+        results[label] = run(url, args.model, sample, args.max_tokens, args.concurrency,
+                             args.x_guidance)  # fmt: skip
+        results[label]["x_guidance"] = args.x_guidance
         print(label, json.dumps(results[label]["summary"]), flush=True)
     out = {"machine": machine_info(), "max_tokens": args.max_tokens,
            "sample": [s["name"] for s in sample], "servers": results}  # fmt: skip

@@ -337,7 +337,7 @@ def _dependencies(node: dict) -> None:
             _all_of(node, dep)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=128)
 def needs_final_check(schema_text: str) -> bool:
     """``uses_keywords`` of a schema given as JSON text (cached: asked once per answer)."""
     try:
@@ -346,7 +346,7 @@ def needs_final_check(schema_text: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=32)
 def _validator(schema_text: str):
     import jsonschema
 

@@ -37,6 +37,12 @@ SHAPES = {
                                       num_hidden_layers=16, num_attention_heads=16,
                                       num_key_value_heads=4, rope_theta=5e6,
                                       tie_word_embeddings=True)),
+    # gemma-3-1b exactly (but the vocabulary): 5 local (window 512) layers to 1 global.
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=1152, intermediate_size=6912,
+                                        num_hidden_layers=26, num_attention_heads=4,
+                                        num_key_value_heads=1, head_dim=256, rope_theta=1e6,
+                                        rope_local_base_freq=10000.0, sliding_window=512,
+                                        query_pre_attn_scalar=256, tie_word_embeddings=True)),
 }  # fmt: skip
 Q4_1_MIX = {p: "Q4_1" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                  "ffn_up", "ffn_down")} | {"token_embd": "Q8_0"}  # fmt: skip

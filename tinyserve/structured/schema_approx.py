@@ -60,8 +60,11 @@ def uses_keywords(schema) -> bool:
     return any(uses_keywords(s) for s in _children(schema))
 
 
+_LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")
+
+
 def _looks_around(pattern) -> bool:
-    return isinstance(pattern, str) and any(a in pattern for a in ("(?=", "(?!", "(?<=", "(?<!"))
+    return isinstance(pattern, str) and any(a in pattern for a in _LOOKAROUNDS)
 
 
 def strip_lookaround(pattern: str) -> str:
@@ -75,7 +78,7 @@ def strip_lookaround(pattern: str) -> str:
             j = _class_end(pattern, i)
             out.append(pattern[i:j])
             i = j
-        elif any(pattern.startswith(a, i) for a in ("(?=", "(?!", "(?<=", "(?<!")):
+        elif pattern.startswith(_LOOKAROUNDS, i):
             i = _group_end(pattern, i)
         else:
             out.append(pattern[i])
@@ -120,20 +123,11 @@ def _lookaround(node: dict) -> bool:
     )
 
 
-def _children(node: dict):
-    for key in _SUB:
-        if isinstance(node.get(key), (dict, list)):
-            yield node[key]
-    for key in _MAPS:
-        if isinstance(node.get(key), dict):
-            yield from node[key].values()
-    for key in _LISTS:
-        if isinstance(node.get(key), list):
-            yield from node[key]
-    deps = node.get("dependencies")
-    if isinstance(deps, dict):
-        yield from (d for d in deps.values() if isinstance(d, dict))
-    yield from (v for k, v in node.items() if isinstance(v, dict) and k not in _KNOWN)
+def _children(node: dict) -> list:
+    """The direct subschemas of ``node`` (those ``map_subschemas`` maps)."""
+    found: list = []
+    map_subschemas(node, lambda sub: found.append(sub) or sub)
+    return found
 
 
 def map_subschemas(node: dict, fn) -> dict:

@@ -1,6 +1,6 @@
 """Messages -> prompt token ids through the tokenizer's chat template: content parts joined,
 an assistant turn's ``reasoning_content`` handed on, tools rendered by the template where it
-knows them (Hermes-style) or written by tools.py, and the request's ``chat_template_kwargs``
+knows them (tool_formats.py) or written by tools.py, and the request's ``chat_template_kwargs``
 (``enable_thinking``) passed as template variables — never over the arguments the server
 sets itself."""
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
+from tinyserve.entrypoints.tool_formats import tool_format
 
 # apply_chat_template's own parameters: the server sets them; chat_template_kwargs may not.
 TEMPLATE_OWN_ARGS = frozenset({
@@ -42,8 +43,9 @@ def render_chat(
             turn["reasoning_content"] = m.reasoning_content
         conversation.append(turn)
     kwargs: dict[str, Any] = dict(template_kwargs or {})
-    if tools and T.hermes_template(tokenizer):  # the template renders the tools
-        conversation = T.native_messages(conversation, messages)
+    fmt = tool_format(tokenizer) if tools else None
+    if fmt is not None:  # the template renders the tools; calls in its format
+        conversation = fmt.messages(conversation, messages)
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     else:
         conversation = T.render_messages(conversation, messages, tools or [], tool_choice)

@@ -45,10 +45,14 @@ from tinyserve.entrypoints.streaming import (
     until_disconnect,
     usage_info,
 )
+from tinyserve.entrypoints.tool_formats import tool_format
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
+from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
 from tinyserve.outputs import StepOutput, Usage
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyserve.structured.strict import closed_objects
+
+ToolStream = HermesStream | EnvelopeStream | MarkedStream
 
 logger = logging.getLogger(__name__)
 
@@ -264,9 +268,10 @@ class OpenAIServing:
         self, tools: list[T.Tool], tool_choice: T.ToolChoice | None, parallel_tool_calls: bool
     ) -> StructuredOutputsParams:
         """The grammar of the tools' calls (and, with ``auto``, of text instead)."""
-        if T.hermes_template(self.tokenizer):  # the template's <tool_call> blocks
-            grammar = T.hermes_grammar(tools, tool_choice, parallel_tool_calls,
-                                       self.open_tool_arguments)  # fmt: skip
+        fmt = tool_format(self.tokenizer)
+        if fmt is not None:  # the calls in the template's own format (tool_formats.py)
+            grammar = fmt.grammar(tools, tool_choice, parallel_tool_calls,
+                                  self.open_tool_arguments)  # fmt: skip
             return StructuredOutputsParams(grammar=grammar, field="tools")
         schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls,
                                    self.open_tool_arguments)  # fmt: skip
@@ -282,9 +287,8 @@ class OpenAIServing:
 
     def parse_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
         """A whole answer's content and calls."""
-        if T.hermes_template(self.tokenizer):
-            return T.parse_native(text)
-        return T.parse_output(text)
+        fmt = tool_format(self.tokenizer)
+        return fmt.parse(text) if fmt is not None else T.parse_output(text)
 
     def answer_tools(self, job: Job, text: str, finish: str | None) -> tuple[str | None, list]:
         """Content and calls: parsed when finished, as far as they got when cut; else text."""
@@ -295,22 +299,18 @@ class OpenAIServing:
     def parse_cut_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
         """A cut answer as the stream parser sent it: a cut call stays a call, not raw JSON."""
         parser = self.tool_stream()
-        content, calls = None, {}
-        for delta, _ in parser.feed(text) + parser.finish("length"):
-            if delta.get("content"):
-                content = (content or "") + delta["content"]
-            for e in delta.get("tool_calls") or []:
-                fn = e.get("function") or {}
-                if e.get("id") is not None:
-                    calls[e["index"]] = T.ToolCall(id=e["id"], function=T.FunctionCall(
-                        name=fn.get("name") or "", arguments=fn.get("arguments") or ""))  # fmt: skip
-                elif e["index"] in calls:
-                    calls[e["index"]].function.arguments += fn.get("arguments") or ""
-        return content, [calls[i] for i in sorted(calls)]
+        return collect_calls(parser.feed(text) + parser.finish("length"))
 
-    def tool_stream(self) -> HermesStream | EnvelopeStream:
+    def tool_stream(self) -> ToolStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools``."""
-        return HermesStream() if T.hermes_template(self.tokenizer) else EnvelopeStream()
+        fmt = tool_format(self.tokenizer)
+        return fmt.stream() if fmt is not None else EnvelopeStream()
+
+    def tool_decoding(self, tools: list[T.Tool]) -> dict[str, Any]:
+        """Sampling settings the tools' format needs: its marker is a special token that
+        the parser must see."""
+        fmt = tool_format(self.tokenizer) if tools else None
+        return {"skip_special_tokens": False} if fmt and fmt.keeps_special_tokens else {}
 
     # -- submitting ----------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""/v1/chat/completions: messages -> chat template -> prompt ids; tools (entrypoints/tools.py:
-the template's <tool_call> blocks or a JSON envelope, grammar-enforced); responses and SSE
+"""/v1/chat/completions: messages -> chat template -> prompt ids; tools (tool_formats.py:
+the template's own call format or tools.py's JSON envelope, grammar-enforced); responses and SSE
 chunks, in which content and tool-call deltas stream as generated (tool_stream.py). The
 shared steps are serving.py's."""
 
@@ -15,15 +15,14 @@ from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints.protocol import bad_request
-from tinyserve.entrypoints.serving import Job, OpenAIServing, response_format
+from tinyserve.entrypoints.serving import Job, OpenAIServing, ToolStream, response_format
 from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
-from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.outputs import StepOutput, Usage
 
 
 @dataclass
 class ChatJob(Job):
-    parsers: dict[int, HermesStream | EnvelopeStream] = field(default_factory=dict)  # streamed
+    parsers: dict[int, ToolStream] = field(default_factory=dict)  # streamed
     thinks: bool = False  # the <think> block goes to reasoning_content (reasoning.py)
     thinking_open: bool = False  # the prompt ends inside <think>
     splitters: dict[int, R.ReasoningSplitter] = field(default_factory=dict)  # streamed
@@ -48,6 +47,7 @@ class ChatServing(OpenAIServing):
             max_tokens=max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             structured_outputs=so,
+            **self.tool_decoding(tools),
         )
         prompt_ids = await off_loop(
             input_size(req.messages), self.chat_prompt_ids, req.messages,

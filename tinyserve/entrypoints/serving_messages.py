@@ -44,6 +44,7 @@ class MessagesServing(OpenAIServing):
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k,
                 max_tokens=req.max_tokens, stop=req.stop_sequences or [], structured_outputs=so,
+                **self.tool_decoding(tools),
             )  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from None

@@ -64,7 +64,12 @@ class ResponsesServing(OpenAIServing):
                                "text.format", "text.format.schema",
                                fmt.strict if fmt else None)  # fmt: skip
         so = self.constraint(req, so, "text.format", tools, choice, req.parallel_tool_calls)
-        params = self.sampling_params(req, max_tokens=req.max_output_tokens, structured_outputs=so)
+        params = self.sampling_params(
+            req,
+            max_tokens=req.max_output_tokens,
+            structured_outputs=so,
+            **self.tool_decoding(tools),
+        )
         # The body's size stands for the input's (templated off the loop when large).
         messages = chat_messages(req.input, req.instructions)
         prompt_ids = await off_loop(

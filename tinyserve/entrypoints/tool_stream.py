@@ -158,19 +158,12 @@ class HermesStream:
             if not self._buf:
                 return False
             self._after_block = False
-        at = self._buf.find(_TAG)
-        if at >= 0:
-            before = self._buf[:at]
-            self._d.content(before.rstrip(_WS))
-            self._block = before[len(before.rstrip(_WS)) :] + _TAG
-            self._buf = self._buf[at + len(_TAG) :]
-            self._mode, self._scan = "call", JsonScanner()
-            return True
-        keep = _partial_tag(self._buf)
-        keep = len(self._buf) - len(self._buf[: len(self._buf) - keep].rstrip(_WS))
-        self._d.content(self._buf[: len(self._buf) - keep])
-        self._buf = self._buf[len(self._buf) - keep :]
-        return False
+        tag, self._buf = text_until(self._d, self._buf, _TAG)
+        if tag is None:
+            return False
+        self._block = tag
+        self._mode, self._scan = "call", JsonScanner()
+        return True
 
     def _call(self) -> bool:
         if not self._scan.started:
@@ -216,10 +209,25 @@ class HermesStream:
         return True
 
 
-def _partial_tag(text: str) -> int:
-    """The length of the longest tail of ``text`` that is a proper prefix of the tag."""
-    for n in range(min(len(text), len(_TAG) - 1), 0, -1):
-        if _TAG.startswith(text[-n:]):
+def text_until(d: _Deltas, buf: str, tag: str) -> tuple[str | None, str]:
+    """Send ``buf`` to ``d`` as content up to ``tag``, less the whitespace just before it;
+    without the tag, hold back a tail that may begin it (and whitespace before that). Returns
+    (that whitespace and the tag, or None when the tag is not in ``buf``; the text left)."""
+    at = buf.find(tag)
+    if at >= 0:
+        before = buf[:at]
+        d.content(before.rstrip(_WS))
+        return before[len(before.rstrip(_WS)) :] + tag, buf[at + len(tag) :]
+    keep = partial_tag(buf, tag)
+    keep = len(buf) - len(buf[: len(buf) - keep].rstrip(_WS))
+    d.content(buf[: len(buf) - keep])
+    return None, buf[len(buf) - keep :]
+
+
+def partial_tag(text: str, tag: str = _TAG) -> int:
+    """The length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

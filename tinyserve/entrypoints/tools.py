@@ -109,8 +109,13 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
     return list(tools)
 
 
-def call_schema(tools: list[Tool], defs: dict | None = None, open_args: bool = False) -> dict:
-    """The JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``.
+def call_schema(
+    tools: list[Tool],
+    defs: dict | None = None,
+    open_args: bool = False,
+    args_key: str = "arguments",
+) -> dict:
+    """The JSON schema of one call: ``{"name": <a tool>, <args_key>: <its parameters>}``.
     Parameters that use ``$ref`` are moved into ``defs`` (the envelope's root ``$defs``).
     Unless ``open_args``, an object with declared properties takes no others where its schema
     does not say (OpenAI's strict semantics: ``closed_objects``)."""
@@ -124,9 +129,9 @@ def call_schema(tools: list[Tool], defs: dict | None = None, open_args: bool = F
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": _relocated(params(t), i, defs),
+                args_key: _relocated(params(t), i, defs),
             },
-            "required": ["name", "arguments"],
+            "required": ["name", args_key],
             "additionalProperties": False,
         }
         for i, t in enumerate(tools)
@@ -213,7 +218,7 @@ def render_messages(conversation: list[dict], messages, tools, choice) -> list[d
     out = []
     for turn, m in zip(conversation, messages, strict=True):
         if m.role == "assistant" and getattr(m, "tool_calls", None):
-            calls = [{"name": c.function.name, "arguments": _loads(c.function.arguments)}
+            calls = [{"name": c.function.name, "arguments": loads(c.function.arguments)}
                      for c in m.tool_calls]  # fmt: skip
             turn = {"role": "assistant", "content": json.dumps({"tool_calls": calls})}
         elif m.role == "tool":
@@ -229,7 +234,7 @@ def render_messages(conversation: list[dict], messages, tools, choice) -> list[d
     return out
 
 
-def _loads(text: str) -> Any:
+def loads(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError:
@@ -313,7 +318,7 @@ def native_messages(conversation: list[dict], messages) -> list[dict]:
     for turn, m in zip(conversation, messages, strict=True):
         if m.role == "assistant" and getattr(m, "tool_calls", None):
             calls = [{"type": "function", "id": c.id, "function": {
-                "name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                "name": c.function.name, "arguments": loads(c.function.arguments)}}
                 for c in m.tool_calls]  # fmt: skip
             turn = {**turn, "tool_calls": calls}
         elif m.role == "tool" and getattr(m, "tool_call_id", None):

@@ -1,0 +1,235 @@
+"""Tool calls in each family's own format (tool_formats.py), with the templates the models
+publish (tests/data/chat_templates): the format is read from the template, past calls render as
+the template wants them, the grammar takes the form the model writes and nothing else, the
+streamed parser agrees with the whole-answer parse at every split, and forced calls come back
+through a real server as OpenAI tool calls that validate, streamed and not. The model is a
+2-layer random Llama with SmolLM2's tokenizer and each template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tests.support.api import same_when_streamed
+from tinyserve.config import ServerConfig
+from tinyserve.engine.arg_utils import EngineArgs
+from tinyserve.engine.async_engine import AsyncEngine
+from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.chat_template import render_chat
+from tinyserve.entrypoints.llm import LLM
+from tinyserve.entrypoints.tool_formats import MarkedFormat, tool_format
+from tinyserve.entrypoints.tool_stream_marked import collect_calls
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tinyserve.structured.backend import GrammarBackend
+from tinyserve.structured.spec import StructuredOutputSpec
+from tinyserve.testing.server import serve
+
+TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
+FAMILIES = {  # template file -> the format it writes calls in
+    "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
+    "ibm-granite-granite-3.3-2B-Instruct": "granite",
+    "meta-llama-Llama-3.1-8B-Instruct": "llama3",
+    "meta-llama-Llama-3.2-3B-Instruct": "llama3",
+    "Qwen-Qwen3-0.6B": "hermes",
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}  # fmt: skip
+SPECS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [T.Tool.model_validate(t) for t in (WEATHER, TIME)]
+
+
+@pytest.fixture
+def templated(smollm2_tokenizer):
+    original = smollm2_tokenizer.chat_template
+
+    def use(name: str):
+        smollm2_tokenizer.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+        return smollm2_tokenizer
+
+    yield use
+    smollm2_tokenizer.chat_template = original
+
+
+def test_each_family_template_gives_its_format(templated, smollm2_tokenizer):
+    assert tool_format(smollm2_tokenizer) is None  # ChatML without tools: the JSON envelope
+    for name, expected in FAMILIES.items():
+        assert tool_format(templated(name)).name == expected, name
+
+
+def _past_call_prompt(tokenizer) -> str:
+    call = T.ToolCall(id="call_0123456789abcdef",
+                      function=T.FunctionCall(name="get_weather", arguments='{"city": "Oslo"}'))  # fmt: skip
+    messages = [
+        P.ChatMessage(role="user", content="Weather in Oslo?"),
+        P.ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        P.ChatMessage(role="tool", content='{"temp": 3}', tool_call_id=call.id),
+    ]
+    return tokenizer.decode(render_chat(tokenizer, messages, True, TOOLS, "auto"))
+
+
+def test_templates_render_tools_and_past_calls_in_their_format(templated):
+    mistral = _past_call_prompt(templated("mistralai-Mistral-Nemo-Instruct-2407"))
+    assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"' in mistral
+    assert '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "' in mistral
+    # Mistral's template takes 9-alphanumeric ids only: mapped, the same in call and result.
+    call_id = mistral.split('"id": "')[1][:9]
+    assert call_id.isalnum() and f'"call_id": "{call_id}"' in mistral
+    granite = _past_call_prompt(templated("ibm-granite-granite-3.3-2B-Instruct"))
+    assert "<|start_of_role|>available_tools<|end_of_role|>" in granite
+    # Its template renders an assistant turn's content only: the call is written there.
+    assert '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]' in granite
+    for name in ("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct"):
+        llama = _past_call_prompt(templated(name))
+        assert 'Respond in the format {"name": function name, "parameters"' in llama
+        assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>' in llama
+        assert "<|start_header_id|>ipython<|end_header_id|>" in llama
+
+
+MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+TWO = ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+       '{"name": "get_time", "arguments": {"tz": "UTC"}}]')  # fmt: skip
+LLAMA_CALL = '{"name": "get_time", "parameters": {"tz": "CET"}}'
+GRAMMAR_CASES = [  # (template, choice, parallel, text, ends with eos, accepted)
+    ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "Some text [TOOL_CALL", True, True),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "Let me see." + MISTRAL_CALL, True, True),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "required", True, "[TOOL_CALLS]" + TWO, True, True),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "required", False, "[TOOL_CALLS]" + TWO, False, False),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "required", True, "Hi" + MISTRAL_CALL, False, False),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "[TOOL_CALLS][]", False, False),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True,
+     '[TOOL_CALLS][{"name": "send_mail"', False, False),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "x [TOOL_CALLS]", True, False),
+    ("ibm-granite-granite-3.3-2B-Instruct", "required", True, "<|tool_call|>" + TWO, True, True),
+    ("ibm-granite-granite-3.3-2B-Instruct", "auto", True, "Hello there", True, True),
+    ("ibm-granite-granite-3.3-2B-Instruct", "required", True,
+     '<|tool_call|>[{"name": "get_time", "arguments": {"tz": "PST"}}]', False, False),
+    ("meta-llama-Llama-3.2-3B-Instruct", "required", True, LLAMA_CALL, True, True),
+    ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, LLAMA_CALL, True, True),
+    ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, "It is sunny {really}.", True, True),
+    ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, '{"name": "nope"', False, False),
+    ("meta-llama-Llama-3.2-3B-Instruct", "required", True, "Sure: " + LLAMA_CALL, False, False),
+    ("meta-llama-Llama-3.2-3B-Instruct", "required", True,
+     '{"name": "get_time", "arguments": {"tz": "CET"}}', False, False),  # its key is parameters
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, choice, parallel, text, eos, ok", GRAMMAR_CASES)
+def test_grammar_takes_the_family_form_only(templated, name, choice, parallel, text, eos, ok):
+    tokenizer = templated(name)
+    grammar = tool_format(tokenizer).grammar(TOOLS, choice, parallel, False)
+    backend = GrammarBackend(tokenizer, vocab_size=len(tokenizer))
+    matcher = backend.matcher(backend.compile(StructuredOutputSpec("grammar", grammar, "tools")))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert matcher.accept_tokens(ids + ([tokenizer.eos_token_id] if eos else [])) == ok
+
+
+MISTRAL = MarkedFormat("mistral", "[TOOL_CALLS]", True)
+LLAMA = MarkedFormat("llama3", "", False, "parameters")
+PARSE_CASES = [  # (format, text, content, [(name, arguments)])
+    (MISTRAL, "Let me see. " + MISTRAL_CALL, "Let me see.", [("get_weather", '{"city": "Oslo"}')]),
+    (MISTRAL, "[TOOL_CALLS]" + TWO, None,
+     [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "UTC"}')]),
+    (MISTRAL, "No tools needed [TOOL", "No tools needed [TOOL", []),
+    (MISTRAL, "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+    (MISTRAL, '[TOOL_CALLS][{"x": 1}] tail', '[TOOL_CALLS][{"x": 1}] tail', []),
+    (MISTRAL, '[TOOL_CALLS][{"name": "f"}]', None, [("f", "{}")]),
+    (LLAMA, "  " + LLAMA_CALL, None, [("get_time", '{"tz": "CET"}')]),
+    (LLAMA, "<|python_tag|>" + LLAMA_CALL, None, [("get_time", '{"tz": "CET"}')]),
+    (LLAMA, "The answer is {x}.", "The answer is {x}.", []),
+    (LLAMA, '{"a": 1}', '{"a": 1}', []),
+    (LLAMA, '{"name": "f", "parameters": {"k": [1, {"z": "}"}]}}', None,
+     [("f", '{"k": [1, {"z": "}"}]}')]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", PARSE_CASES)
+def test_parse_and_stream_agree_at_every_split(fmt, text, content, calls):
+    got_content, got = fmt.parse(text)
+    assert (got_content, [(c.function.name, c.function.arguments) for c in got]) == (
+        content, calls)  # fmt: skip
+    for cut in range(len(text) + 1):
+        for step in (1, 3):  # the text in pieces: one split point, or every few characters
+            stream = fmt.stream()
+            pieces = [text[:cut]] + [text[i : i + step] for i in range(cut, len(text), step)]
+            events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish("stop")
+            s_content, s_calls = collect_calls(events)
+            assert s_content == content and [
+                (c.function.name, c.function.arguments) for c in s_calls] == calls, (cut, step)  # fmt: skip
+            assert events[-1][1] == ("tool_calls" if calls else "stop")
+
+
+def test_a_special_token_marker_is_named_in_the_grammar_and_kept(smollm2_gguf_path, tmp_path):
+    """Where the marker is one special token (Mistral's [TOOL_CALLS]), the grammar must name
+    the token (text cannot spell it) and the answer must keep it for the parser. SmolLM2's
+    ``<|im_start|>`` stands in for it here."""
+    from tinyserve.models.default_model import tokenizer_dir_for
+    from tinyserve.testing.checkpoints import build_fuzz_model
+
+    path = build_fuzz_model(tmp_path / "m", tokenizer_dir_for(smollm2_gguf_path))
+    llm = LLM(engine=LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=64)))
+    marker_id = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    fmt = MarkedFormat("special", "<|im_start|>", True, marker_id=marker_id)
+    assert fmt.keeps_special_tokens and f"<[{marker_id}]>" in fmt.grammar(
+        TOOLS, "required", True, False
+    )
+    for skip in (False, True):
+        params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, skip_special_tokens=skip,
+                                structured_outputs=StructuredOutputsParams(
+                                    grammar=fmt.grammar(TOOLS, "required", True, False)))  # fmt: skip
+        (out,) = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert out.outputs[0].token_ids[0] == marker_id
+        content, calls = fmt.parse(out.outputs[0].text)
+        if out.outputs[0].finish_reason == "length":
+            continue
+        assert bool(calls) != skip, out.outputs[0].text  # skipped: the marker is gone
+
+
+@pytest.fixture(scope="module", params=["mistralai-Mistral-Nemo-Instruct-2407",
+                                        "ibm-granite-granite-3.3-2B-Instruct",
+                                        "meta-llama-Llama-3.2-3B-Instruct"])  # fmt: skip
+def family_server(request, smollm2_gguf_path, tmp_path_factory):
+    from tinyserve.models.default_model import tokenizer_dir_for
+    from tinyserve.testing.checkpoints import build_fuzz_model
+
+    base = build_fuzz_model(tmp_path_factory.mktemp("fuzz") / "m",
+                            tokenizer_dir_for(smollm2_gguf_path))  # fmt: skip
+    path = tmp_path_factory.mktemp(request.param) / "m"
+    shutil.copytree(base, path)
+    template = (TEMPLATES / f"{request.param}.jinja").read_text()
+    cfg = path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": template}))
+    (path / "chat_template.jinja").write_text(template)  # transformers 5 reads this one first
+    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=256))
+    with serve(AsyncEngine(engine), ServerConfig()) as s:
+        yield FAMILIES[request.param], s
+
+
+def test_forced_calls_come_back_as_tool_calls_that_validate(family_server):
+    name, server = family_server
+    finished = 0
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0) as c:
+        request = dict(model=server.async_engine.info.model_name, tools=[WEATHER, TIME],
+                       messages=[{"role": "user", "content": "Weather and time?"}],
+                       tool_choice="required", max_tokens=120, temperature=1.0)  # fmt: skip
+        finished = same_when_streamed(c, range(3), **request)
+        for seed in range(3):
+            choice = c.chat.completions.create(seed=seed, **request).choices[0]
+            if choice.finish_reason == "length":
+                continue  # a random model may fill max_tokens inside a string
+            assert choice.finish_reason == "tool_calls", (name, choice)
+            assert choice.message.content is None
+            assert len(choice.message.tool_calls) == 1 or name != "llama3"
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments),
+                                    SPECS[call.function.name]["function"]["parameters"])  # fmt: skip
+    assert finished, name  # compact JSON: calls end well within max_tokens

@@ -1,0 +1,178 @@
+"""Tool calls in each model family's own format, chosen from the chat template's text.
+
+A template that knows tools says how its model writes a call, and a model calls best in the
+form it was trained on. Four forms are read from the template and grammar-enforced:
+
+=========  ===========================================================  ======================
+format     the model writes                                             template marker
+=========  ===========================================================  ======================
+hermes     ``<tool_call>{"name", "arguments"}</tool_call>`` blocks      ``<tool_call>``
+           (Qwen2.5/3, SmolLM3, Hermes; tools.py)
+mistral    ``[TOOL_CALLS][{"name", "arguments"}, ...]``                  ``[TOOL_CALLS]``
+granite    ``<|tool_call|>[{"name", "arguments"}, ...]``                 ``<|tool_call|>``
+llama3     ``{"name", "parameters"}``, the whole answer (one call)      ``"parameters"``
+=========  ===========================================================  ======================
+
+Any other template gets tools.py's JSON envelope. Where the marker is one special token of
+the tokenizer (Mistral's ``[TOOL_CALLS]``, Granite's ``<|tool_call|>``), the grammar names the
+token (llguidance's ``<[id]>``) and the answer is detokenized with special tokens kept, so the
+parser sees the marker (vLLM's Mistral parser does the same); elsewhere the marker is text.
+Past calls go back to the template as ``tool_calls`` where it renders them (Mistral's template
+insists on 9-character alphanumeric ids: the ids are mapped, the same way in a call and in its
+result), else as the assistant's content written in the format (Granite 3.x's template
+renders content only). The non-streamed parse is the streamed parser run over the whole text
+(tool_stream_marked.py), so the two agree by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.tool_stream import HermesStream
+from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
+from tinyserve.structured.schema_fixes import fix_schema
+
+
+def template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template if isinstance(template, str) else json.dumps(template)
+
+
+@dataclass(frozen=True)
+class MarkedFormat:
+    """Calls after a marker, as one JSON array of ``{"name", <args_key>}`` objects
+    (``array``), or as one such object that is the whole answer (no marker: Llama 3.x)."""
+
+    name: str
+    marker: str  # "" for a bare call at the start of the answer
+    array: bool
+    args_key: str = "arguments"
+    marker_id: int | None = None  # the marker's token id where it is one special token
+    renders_calls: bool = True  # the template writes past tool_calls itself
+    id_length: int | None = None  # Mistral: tool call ids of 9 alphanumerics
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.marker_id is not None
+
+    def grammar(self, tools: list[T.Tool], choice, parallel: bool, open_args: bool) -> str:
+        """llguidance Lark: ``required`` / named, the answer is the calls; ``auto``, free text
+        until the marker, then calls (Llama 3.x: a call, or text that does not open one)."""
+        defs: dict = {}
+        one = T.call_schema(tools, defs, open_args, self.args_key)
+        many = parallel and not isinstance(choice, T.NamedToolChoice)
+        body = one if not self.array else {
+            "type": "array", "items": one, "minItems": 1,
+            "maxItems": T.MAX_PARALLEL_CALLS if many else 1,
+        }  # fmt: skip
+        schema = {"x-guidance": T.TOOL_JSON_OPTIONS, **({"$defs": defs} if defs else {}),
+                  **fix_schema(body)}  # fmt: skip
+        lines = ["calls: %json " + json.dumps(schema)]
+        auto = choice in (None, "auto")
+        if not self.marker:
+            lines.append("start: calls" + (" | TEXT" if auto else ""))
+            lines.append("TEXT: /(?s:([^{ \\t\\n\\r]|[ \\t\\n\\r]+[^{ \\t\\n\\r]).*)?/")
+            return "\n".join(lines)
+        mark = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps(self.marker)
+        if auto:
+            lines += ["start: TEXT | head calls", f"head[lazy]: TEXT {mark}",
+                      "TEXT: /(?s:.*)/"]  # fmt: skip
+        else:
+            lines.append(f"start: {mark} calls")
+        return "\n".join(lines)
+
+    def stream(self) -> MarkedStream:
+        return MarkedStream(self.marker, self.array, self.args_key)
+
+    def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+        stream = self.stream()
+        return collect_calls(stream.feed(text) + stream.finish("stop"))
+
+    def messages(self, conversation: list[dict], messages) -> list[dict]:
+        """Past calls and results as this template reads them."""
+        out = []
+        for turn, m in zip(conversation, messages, strict=True):
+            calls = getattr(m, "tool_calls", None)
+            if m.role == "assistant" and calls and not self.renders_calls:
+                turn = {**turn, "content": (turn.get("content") or "") + self.written(calls)}
+            elif m.role == "assistant" and calls:
+                turn = {**turn, "tool_calls": [
+                    {"type": "function", "id": self.call_id(c.id), "function": {
+                        "name": c.function.name, "arguments": T.loads(c.function.arguments)}}
+                    for c in calls]}  # fmt: skip
+            elif m.role == "tool" and getattr(m, "tool_call_id", None):
+                turn = {**turn, "tool_call_id": self.call_id(m.tool_call_id)}
+            out.append(turn)
+        return out
+
+    def written(self, calls) -> str:
+        """Calls as the model writes them (for templates that render content only)."""
+        items = [{"name": c.function.name, self.args_key: T.loads(c.function.arguments)}
+                 for c in calls]  # fmt: skip
+        return self.marker + json.dumps(items if self.array else items[0], ensure_ascii=False)
+
+    def call_id(self, call_id: str) -> str:
+        """The id the template is given: as sent, or (Mistral) 9 alphanumerics derived from
+        it, the same for a call and its result."""
+        if self.id_length is None:
+            return call_id
+        alnum = "".join(ch for ch in call_id if ch.isalnum())
+        if len(alnum) < self.id_length:
+            alnum += hashlib.sha256(call_id.encode()).hexdigest()
+        return alnum[-self.id_length :] if len(alnum) > self.id_length else alnum
+
+
+@dataclass(frozen=True)
+class HermesFormat:
+    """``<tool_call>`` blocks amid text (tools.py's native path)."""
+
+    name: str = "hermes"
+    keeps_special_tokens: bool = False
+
+    def grammar(self, tools: list[T.Tool], choice, parallel: bool, open_args: bool) -> str:
+        return T.hermes_grammar(tools, choice, parallel, open_args)
+
+    def stream(self) -> HermesStream:
+        return HermesStream()
+
+    def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+        return T.parse_native(text)
+
+    def messages(self, conversation: list[dict], messages) -> list[dict]:
+        return T.native_messages(conversation, messages)
+
+
+ToolFormat = MarkedFormat | HermesFormat
+
+
+def special_id(tokenizer, marker: str) -> int | None:
+    """The token id of ``marker`` where the tokenizer has it as one special token."""
+    special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {str(t) for t in added.values() if getattr(t, "special", False)}
+    if marker not in special:
+        return None
+    token_id = tokenizer.convert_tokens_to_ids(marker)
+    return token_id if isinstance(token_id, int) else None
+
+
+def tool_format(tokenizer) -> ToolFormat | None:
+    """The format the chat template writes calls in; None: it knows no tools (the envelope)."""
+    text = template_text(tokenizer)
+    if "tools" not in text:
+        return None
+    renders = "tool_calls" in text
+    if "[TOOL_CALLS]" in text and "[ARGS]" not in text:
+        return MarkedFormat("mistral", "[TOOL_CALLS]", True, marker_id=special_id(
+            tokenizer, "[TOOL_CALLS]"), renders_calls=renders, id_length=9)  # fmt: skip
+    if "<|tool_call|>" in text:
+        return MarkedFormat("granite", "<|tool_call|>", True, renders_calls=renders,
+                            marker_id=special_id(tokenizer, "<|tool_call|>"))  # fmt: skip
+    if "<tool_call>" in text:
+        return HermesFormat()
+    if '"parameters"' in text and "<|eot_id|>" in text:
+        return MarkedFormat("llama3", "", False, "parameters", renders_calls=renders)
+    return None

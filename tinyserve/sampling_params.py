@@ -87,6 +87,10 @@ class SamplingParams:
     ``prediction``: token ids the output is expected to be close to (OpenAI's Predicted
     Outputs): the request's speculative drafts come from them (spec_decode/prediction.py);
     the output is what it would be without.
+    ``cache_salt`` (vLLM's field): requests with different salts share no cached state — no
+    prefix-cache blocks and no suffix-decoding drafts from each other's outputs (both make a
+    request faster when another's text matches: a timing side channel); unsalted requests
+    share one namespace.
     """
 
     n: int = 1
@@ -110,8 +114,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     prediction: tuple[int, ...] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+            raise ValueError(
+                f"cache_salt must be a non-empty string of <= 1024 characters, got {salt!r:.40}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -9,94 +9,35 @@ import random
 
 import pytest
 
-from tests.support.engine import (
-    CORPUS,
-    Collector,
-    assert_no_leaks,
-    build_engine,
-    drain,
-    run_alone,
-    run_batch,
-    text_prompts,
+from tests.support.engine import assert_no_leaks, drain, run_alone, run_batch
+from tests.support.spec_decode import (
+    SPEC,
+    greedy_requests,
+    grounded_prompts,
+    hashed_tokens_are_real,
+    outputs_of,
+    run_checking_hashes,
+    spec_engine,
 )
 from tinyserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-# Drafts at every batch size and acceptance (no back-off): as many verification runs as
-# possible, batched and alone, for the identity checks.
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2, "max_batch_size": 64, "adaptive": False}  # fmt: skip
-
-
-def _grounded(tokenizer, n: int) -> list[list[int]]:
-    """Prompts that carry a passage and ask for it back: the output repeats the input."""
-    words = CORPUS.split()
-    prompts = []
-    for i in range(n):
-        start = (i * 37) % (len(words) - 60)
-        passage = " ".join(words[start : start + 40 + i % 20])
-        text = f"Copy this text exactly:\n{passage}\nCopy:\n{passage[: 20 + i]}"
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-    return prompts
-
-
-def _requests(tokenizer) -> list[tuple[str, list[int], SamplingParams]]:
-    """50 greedy requests: 30 grounded, 20 cut from the corpus; varied max_tokens (so some
-    end inside an accepted run), some with stop strings, some with EOS allowed."""
-    prompts = _grounded(tokenizer, 30) + text_prompts(tokenizer, [8 + 3 * i for i in range(20)])
-    rng = random.Random(0)
-    reqs = []
-    for i, prompt in enumerate(prompts):
-        kw = {"temperature": 0.0, "max_tokens": rng.randint(5, 24), "ignore_eos": i % 3 != 0}
-        if i % 4 == 1:
-            kw["stop"] = [" the", "."]
-        if i % 7 == 2:
-            kw["logprobs"] = 2
-        reqs.append((f"r{i}", prompt, SamplingParams(**kw)))
-    return reqs
-
-
-def _outputs(collector, reqs) -> dict[str, tuple]:
-    out = {}
-    for rid, _, _ in reqs:
-        c = collector[rid]
-        lps = [(lp.token_id, round(lp.logprob, 4)) for lp in c.logprobs]
-        out[rid] = (c.token_ids, c.text, c.finish_reason, c.stop_reason, lps)
-    return out
-
-
-def _engine(smol_path, spec, **kw):
-    kw = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 64, **kw}
-    return build_engine(model=smol_path, speculative_config=spec, **kw)
-
-
-def _hashed_tokens_are_real(engine) -> None:
-    """Every hashed block of a live request holds that request's own tokens."""
-    kv, sched = engine.core.kv_cache_manager, engine.core.scheduler
-    for rid, table in kv.req_to_blocks.items():
-        req = sched.requests[rid]
-        for i, block_id in enumerate(table):
-            block = kv.blocks[block_id]
-            if block.token_ids is not None:
-                assert (i + 1) * kv.block_size <= req.num_computed_tokens
-                assert list(block.token_ids) == req.all_token_ids[i * 16 : (i + 1) * 16]
-
 
 def test_greedy_is_token_identical_batched_alone_and_on_prefix_hits(smol_path):
-    plain = _engine(smol_path, None)
-    reqs = _requests(plain.tokenizer)
-    reference = _outputs(run_batch(plain, reqs), reqs)
+    plain = spec_engine(smol_path, None)
+    reqs = greedy_requests(plain.tokenizer)
+    reference = outputs_of(run_batch(plain, reqs), reqs)
     assert_no_leaks(plain)
 
-    spec = _engine(smol_path, SPEC)
-    assert _outputs(run_batch(spec, reqs), reqs) == reference  # batched
+    spec = spec_engine(smol_path, SPEC)
+    assert outputs_of(run_batch(spec, reqs), reqs) == reference  # batched
     again = reqs[::10]
     hits = spec.core.kv_cache_manager.prefix_cache_hits
-    assert _outputs(run_batch(spec, again), again) == {r: reference[r] for r, _, _ in again}
+    assert outputs_of(run_batch(spec, again), again) == {r: reference[r] for r, _, _ in again}
     assert spec.core.kv_cache_manager.prefix_cache_hits > hits  # prefix-cache hits
     alone = reqs[:2] + reqs[30:31]
-    assert _outputs(run_alone(spec, alone), alone) == {r: reference[r] for r, _, _ in alone}
+    assert outputs_of(run_alone(spec, alone), alone) == {r: reference[r] for r, _, _ in alone}
     stats = spec.core.proposer.stats
     assert stats.num_accepted_tokens > 100, stats  # the grounded prompts were sped up
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # and some drafts failed
@@ -106,10 +47,10 @@ def test_greedy_is_token_identical_batched_alone_and_on_prefix_hits(smol_path):
 def test_greedy_is_token_identical_on_a_bf16_kv_cache(smol_path):
     """--kv-cache-dtype bfloat16: a verification run writes its drafts' K/V rounded and reads
     them back like decode steps do, so speculation still changes nothing."""
-    reqs = _requests(_engine(smol_path, None).tokenizer)[::8]
-    plain = _engine(smol_path, None, kv_cache_dtype="bfloat16")
-    spec = _engine(smol_path, SPEC, kv_cache_dtype="bfloat16")
-    assert _outputs(run_batch(spec, reqs), reqs) == _outputs(run_batch(plain, reqs), reqs)
+    reqs = greedy_requests(spec_engine(smol_path, None).tokenizer)[::8]
+    plain = spec_engine(smol_path, None, kv_cache_dtype="bfloat16")
+    spec = spec_engine(smol_path, SPEC, kv_cache_dtype="bfloat16")
+    assert outputs_of(run_batch(spec, reqs), reqs) == outputs_of(run_batch(plain, reqs), reqs)
     assert spec.core.proposer.stats.num_accepted_tokens > 0
     assert_no_leaks(spec)
 
@@ -118,12 +59,12 @@ def test_the_adaptive_policy_prices_drafts_with_this_machines_steps(smol_path):
     """With the default (adaptive) policy the engine times its steps by row count — decode
     steps, prompt-sized prefill steps and the verification steps it drafts — and copy
     prompts alone still draft; outputs stay identical to plain decoding."""
-    plain = _engine(smol_path, None)
-    reqs = _requests(plain.tokenizer)[:4]  # grounded
-    reference = _outputs(run_alone(plain, reqs), reqs)
-    spec = _engine(smol_path, {k: v for k, v in SPEC.items() if k != "adaptive"})
+    plain = spec_engine(smol_path, None)
+    reqs = greedy_requests(plain.tokenizer)[:4]  # grounded
+    reference = outputs_of(run_alone(plain, reqs), reqs)
+    spec = spec_engine(smol_path, {k: v for k, v in SPEC.items() if k != "adaptive"})
     assert spec.core.proposer.config.adaptive
-    assert _outputs(run_alone(spec, reqs), reqs) == reference
+    assert outputs_of(run_alone(spec, reqs), reqs) == reference
     rows = spec.core.proposer.cost.measured_rows
     assert 1 in rows and max(rows) >= min(len(p) for _, p, _ in reqs) - 1
     assert any(2 <= n <= 5 for n in rows)  # verification steps of 1 + k <= 4 drafts
@@ -132,25 +73,19 @@ def test_the_adaptive_policy_prices_drafts_with_this_machines_steps(smol_path):
 
 
 def test_greedy_identical_under_preemption_and_no_stale_hashes(smol_path):
-    plain = _engine(smol_path, None, num_blocks=512)
+    plain = spec_engine(smol_path, None, num_blocks=512)
     reqs = [(r, p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-            for r, p, _ in _requests(plain.tokenizer)[:8]]  # fmt: skip
-    reference = _outputs(run_batch(plain, reqs), reqs)
-    spec = _engine(smol_path, SPEC, num_blocks=28)  # 448 slots for 8 requests: preemption
-    for rid, prompt, params in reqs:
-        spec.add_request(rid, prompt, params)
-    collector = Collector()
-    while spec.has_unfinished():
-        collector.feed(spec.step())
-        _hashed_tokens_are_real(spec)
+            for r, p, _ in greedy_requests(plain.tokenizer)[:8]]  # fmt: skip
+    reference = outputs_of(run_batch(plain, reqs), reqs)
+    spec = spec_engine(smol_path, SPEC, num_blocks=28)  # 448 slots for 8 requests: preemption
+    assert run_checking_hashes(spec, reqs) == reference
     assert spec.core.scheduler.num_preemptions > 0
-    assert _outputs(collector, reqs) == reference
     assert_no_leaks(spec)
 
 
 def test_random_aborts_during_verification_leak_nothing(smol_path):
-    spec = _engine(smol_path, SPEC, num_blocks=64)
-    reqs = _requests(spec.tokenizer)[:20]
+    spec = spec_engine(smol_path, SPEC, num_blocks=64)
+    reqs = greedy_requests(spec.tokenizer)[:20]
     rng = random.Random(3)
     for rid, prompt, params in reqs:
         spec.add_request(rid, prompt, params)
@@ -159,7 +94,7 @@ def test_random_aborts_during_verification_leak_nothing(smol_path):
         for out in spec.step():
             if out.finished:
                 live.discard(out.request_id)
-        _hashed_tokens_are_real(spec)
+        hashed_tokens_are_real(spec)
         if live and rng.random() < 0.3:
             victim = rng.choice(sorted(live))
             spec.abort(victim)
@@ -172,10 +107,10 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_equals_plain(smol_
     """A seeded row's noise is a function of (seed, position) (worker/sampler.py), and a
     verification row at position t sees plain decoding's distribution at t: so seeded
     sampling with speculation gives exactly the tokens it gives without."""
-    prompts = _grounded(_engine(smol_path, None).tokenizer, 2)
+    prompts = grounded_prompts(spec_engine(smol_path, None).tokenizer, 2)
 
     def run(spec):
-        engine = _engine(smol_path, spec)
+        engine = spec_engine(smol_path, spec)
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, n=2)
         for i, p in enumerate(prompts):
             engine.add_request(f"s{i}", p, params)
@@ -203,14 +138,14 @@ def test_constrained_requests_draft_with_per_position_masks(smol_path):
               "required": ["name", "city", "tags"], "additionalProperties": False}  # fmt: skip
     record = '{"name": "Ada Lovelace", "city": "London", "tags": ["math", "poetry", "engines"]}'
     text = f"Repeat this JSON record exactly:\n{record}\nRecord: "
-    plain = _engine(smol_path, None)
+    plain = spec_engine(smol_path, None)
     prompt = plain.tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(temperature=0.0, max_tokens=60,
                             structured_outputs=StructuredOutputsParams(json=schema))  # fmt: skip
     reqs = [(f"j{i}", prompt, params) for i in range(3)]
-    reference = _outputs(run_batch(plain, reqs), reqs)
-    spec = _engine(smol_path, SPEC)
-    got = _outputs(run_batch(spec, reqs), reqs)
+    reference = outputs_of(run_batch(plain, reqs), reqs)
+    spec = spec_engine(smol_path, SPEC)
+    got = outputs_of(run_batch(spec, reqs), reqs)
     assert got == reference
     jsonschema.validate(json.loads(got["j0"][1]), schema)
     assert spec.core.proposer.stats.num_accepted_tokens > 10

@@ -22,6 +22,10 @@ V, N, STEPS = 8, 10_000, 4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # the proposer drafts 3, 1, 2 ... from the start
 SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "max_batch_size": 100_000, "adaptive": False}  # fmt: skip
+# Suffix decoding: the drafts also come from earlier requests' sampled outputs (the global
+# cache), the most frequent continuation first.
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3, "max_batch_size": 100_000,
+          "adaptive": False}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +61,16 @@ def _p_value(a: Counter, b: Counter) -> float:
     return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_emitted_tokens_follow_the_plain_sampling_distribution(toy_model):
-    plain, spec = _samples(toy_model, None), _samples(toy_model, SPEC)
+@pytest.fixture(scope="module")
+def plain_samples(toy_model) -> list[tuple[int, ...]]:
+    return _samples(toy_model, None)
+
+
+@pytest.mark.parametrize("spec_config", [SPEC, SUFFIX], ids=["ngram", "suffix"])
+def test_emitted_tokens_follow_the_plain_sampling_distribution(
+    toy_model, plain_samples, spec_config
+):
+    plain, spec = plain_samples, _samples(toy_model, spec_config)
     for pos in range(STEPS):
         p = _p_value(Counter(s[pos] for s in plain), Counter(s[pos] for s in spec))
         assert p > 0.01, (pos, p)

@@ -54,7 +54,7 @@ def test_longest_and_latest_match_wins():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ('{"method": "eagle"}', "method must be 'ngram'"),
+        ('{"method": "eagle"}', "method must be 'ngram' or 'suffix'"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min (5) is larger"),
         ('{"lookahead": 3}', "unknown key(s) 'lookahead'"),

@@ -134,7 +134,7 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(tokens) - 1) // bs
         hits: list[int] = []
-        parent_hash: int | None = None
+        parent_hash = _root_hash(request)
         parent_content_id: int | None = None
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
@@ -253,7 +253,7 @@ class KVCacheManager:
         for i in range(len(chain.hashes), num_full):
             if not chain.cacheable:
                 return
-            parent_hash = chain.hashes[-1] if chain.hashes else None
+            parent_hash = chain.hashes[-1] if chain.hashes else _root_hash(request)
             parent_content_id = chain.content_ids[-1] if chain.content_ids else None
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens)
@@ -286,6 +286,13 @@ class KVCacheManager:
             if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
                 del self.cached_block_hash_to_block[block.block_hash]
         _clear_hash(block)
+
+
+def _root_hash(request: Request) -> int | None:
+    """The parent of a request's first block: its ``cache_salt``, so that requests with
+    different salts never share a block (vLLM's isolation of the prefix cache)."""
+    salt = request.sampling_params.cache_salt
+    return None if salt is None else hash(("cache_salt", salt))
 
 
 def _clear_hash(block: KVCacheBlock) -> None:

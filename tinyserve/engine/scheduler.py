@@ -329,7 +329,7 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request.request_id)
         if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+            self.proposer.forget(request)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
 

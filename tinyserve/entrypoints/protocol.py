@@ -100,7 +100,7 @@ _PARAM_NAMES = {
     "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "tokens",
-    "prompt_logprobs",
+    "prompt_logprobs", "cache_salt",
 }  # fmt: skip
 
 
@@ -217,6 +217,9 @@ class TextContentPart(_Request):
     text: str
 
 
+_SALT = "Requests with different salts share no prefix-cache blocks nor suffix-decoding drafts"
+
+
 class Prediction(_Request):  # OpenAI's Predicted Outputs (entrypoints/prediction.py)
     type: Literal["content"]
     content: str | list[TextContentPart]
@@ -246,6 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     prediction: Prediction | None = None
+    cache_salt: str | None = Field(None, description=_SALT)
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template, e.g. enable_thinking"
     )
@@ -314,6 +318,7 @@ class CompletionRequest(_SamplingFields):
         ..., description="Text, a list of texts, token ids or a list of token-id lists"
     )
     prediction: Prediction | None = None
+    cache_salt: str | None = Field(None, description=_SALT)
     max_tokens: int | None = Field(
         16, **_range("Default 16, as OpenAI and vLLM; 0 with echo scores the prompt", minimum=0)
     )

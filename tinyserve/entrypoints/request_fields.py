@@ -69,7 +69,7 @@ REJECTED = {
     "documents": "not supported",
     "truncate_prompt_tokens": "not supported: prompts over the context window are a 400",
     "return_tokens_as_token_ids": "not supported",
-    "cache_salt": "not supported (the prefix cache is shared by every request)",
+    "cache_salt": "only /v1/chat/completions and /v1/completions take a cache_salt",
     "mm_processor_kwargs": "multimodal input is not supported",
 }
 

@@ -225,6 +225,7 @@ class OpenAIServing:
             "prediction": prediction_ids(req, self.tokenizer)
             if getattr(req, "prediction", None)
             else None,
+            "cache_salt": getattr(req, "cache_salt", None),
             **extra,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}

@@ -1,7 +1,10 @@
-"""``--speculative-config``: vLLM's vocabulary for n-gram prompt lookup. Torch-free.
+"""``--speculative-config``: vLLM's vocabulary for n-gram prompt lookup and suffix decoding.
+Torch-free.
 
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-"prompt_lookup_min": 2}``, as JSON text (the CLI) or a dict (``LLM(speculative_config=...)``).
+"prompt_lookup_min": 2}`` or ``{"method": "suffix"}`` (spec_decode/suffix.py; vLLM's
+``suffix_decoding_*`` keys, plus ``suffix_decoding_max_cached_tokens``, ours: the memory
+bound), as JSON text (the CLI) or a dict (``LLM(speculative_config=...)``).
 The adaptive policy's knobs (ours, not vLLM's; spec_decode/proposer.py) are
 ``max_batch_size``, ``min_acceptance_rate`` and ``adaptive``.
 """
@@ -18,7 +21,8 @@ _FIELD = "speculative_config"
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    # None: 4 for ngram, 16 (the most) for suffix — the cost model picks the length.
+    num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Adaptive policy (spec_decode/proposer.py): no drafts in a step with more running
@@ -28,11 +32,22 @@ class SpeculativeConfig:
     max_batch_size: int = 8
     min_acceptance_rate: float = 0.0
     adaptive: bool = True
+    # Suffix decoding (spec_decode/suffix.py), vLLM's names and defaults; the global cache
+    # holds at most this many earlier outputs and tokens (8 bytes each) over all salts.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 1 << 16  # 0.2 ms a lookup at the cap here
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"{_FIELD}: method must be 'ngram', got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        if self.method not in ("ngram", "suffix"):
+            raise ValueError(f"{_FIELD}: method must be 'ngram' or 'suffix', got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", 16 if self.suffix else 4)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                     "suffix_decoding_max_cached_tokens"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{_FIELD}: {name} must be an integer >= 1, got {value!r}")
@@ -50,6 +65,16 @@ class SpeculativeConfig:
             raise ValueError(f"{_FIELD}: min_acceptance_rate must be a number in [0, 1]")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"{_FIELD}: adaptive must be true or false, got {self.adaptive!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise ValueError(f"{_FIELD}: suffix_decoding_max_spec_factor must be a number > 0")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, int | float) or not 0 <= prob <= 1:
+            raise ValueError(f"{_FIELD}: suffix_decoding_min_token_prob must be in [0, 1]")
+
+    @property
+    def suffix(self) -> bool:
+        return self.method == "suffix"
 
     @classmethod
     def parse(

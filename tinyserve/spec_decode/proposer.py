@@ -48,6 +48,7 @@ from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.cost import StepCostModel
 from tinyserve.spec_decode.ngram import propose
 from tinyserve.spec_decode.prediction import PredictionDrafter
+from tinyserve.spec_decode.suffix import SuffixCache, SuffixParams, best_draft
 
 _DECAY = 0.6  # per verification, the weight of a request's older acceptance evidence
 # A new request's acceptance before its first verification: hopeful (1.8 of 2 pseudo-drafts
@@ -117,7 +118,16 @@ def _step_before_drafts(running: list[Request], budget: int) -> list[float]:
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, ngram: bool = True):
         self.config = config
-        self.ngram = ngram  # n-gram drafts for every request (else predictions only)
+        self.ngram = ngram  # drafts of config.method for every request (else predictions only)
+        # Suffix decoding: earlier requests' outputs by cache_salt (spec_decode/suffix.py).
+        self.suffix_cache = SuffixCache(
+            config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_cached_tokens
+        )
+        self._suffix_params = SuffixParams(
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
         self._drafters: dict[str, PredictionDrafter] = {}
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.cost = StepCostModel()
@@ -216,6 +226,11 @@ class NgramProposer:
                 drafter = self._drafters[request.request_id] = PredictionDrafter(prediction)
             return drafter.propose(request.output_token_ids, k)
         cfg = self.config
+        if cfg.suffix:
+            salt = request.sampling_params.cache_salt
+            return best_draft(
+                request.all_token_ids, self.suffix_cache, salt, k, self._suffix_params
+            )
         return propose(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -235,6 +250,9 @@ class NgramProposer:
         state.rejected = _DECAY * state.rejected + rejected
         state.steps_since_draft = 0
 
-    def forget(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
-        self._drafters.pop(request_id, None)
+    def forget(self, request: Request) -> None:
+        """``request`` finished (or was aborted): its output joins the suffix cache."""
+        if self.ngram and self.config.suffix:
+            self.suffix_cache.add(request.sampling_params.cache_salt, request.output_token_ids)
+        self._state.pop(request.request_id, None)
+        self._drafters.pop(request.request_id, None)

@@ -38,6 +38,8 @@ FAMILIES = {  # template file -> the format it writes calls in
     "meta-llama-Llama-3.1-8B-Instruct": "llama3",
     "meta-llama-Llama-3.2-3B-Instruct": "llama3",
     "Qwen-Qwen3-0.6B": "hermes",
+    "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",  # v11+: name[ARGS]{...} each
+    "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -88,6 +90,9 @@ def test_templates_render_tools_and_past_calls_in_their_format(templated):
     assert "<|start_of_role|>available_tools<|end_of_role|>" in granite
     # Its template renders an assistant turn's content only: the call is written there.
     assert '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]' in granite
+    for name in ("mistralai-Ministral-3-14B-Reasoning-2512", "Mistral-Small-3.2-24B-Instruct-2506"):
+        named = _past_call_prompt(templated(name))
+        assert "[/INST][TOOL_CALLS]get_weather" in named and '[ARGS]{"city": "Oslo"}' in named
     for name in ("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct"):
         llama = _past_call_prompt(templated(name))
         assert 'Respond in the format {"name": function name, "parameters"' in llama
@@ -99,6 +104,8 @@ MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo
 TWO = ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
        '{"name": "get_time", "arguments": {"tz": "UTC"}}]')  # fmt: skip
 LLAMA_CALL = '{"name": "get_time", "parameters": {"tz": "CET"}}'
+NAMED = "mistralai-Ministral-3-14B-Reasoning-2512"
+NAMED_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
 GRAMMAR_CASES = [  # (template, choice, parallel, text, ends with eos, accepted)
     ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "Some text [TOOL_CALL", True, True),
     ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "Let me see." + MISTRAL_CALL, True, True),
@@ -113,6 +120,12 @@ GRAMMAR_CASES = [  # (template, choice, parallel, text, ends with eos, accepted)
     ("ibm-granite-granite-3.3-2B-Instruct", "auto", True, "Hello there", True, True),
     ("ibm-granite-granite-3.3-2B-Instruct", "required", True,
      '<|tool_call|>[{"name": "get_time", "arguments": {"tz": "PST"}}]', False, False),
+    (NAMED, "auto", True, "Checking." + NAMED_CALL, True, True),
+    (NAMED, "required", True, NAMED_CALL + '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}', True, True),
+    (NAMED, "required", False, NAMED_CALL + NAMED_CALL, False, False),
+    (NAMED, "required", True, '[TOOL_CALLS]get_time[ARGS]{"tz": "PST"}', False, False),
+    (NAMED, "required", True, '[TOOL_CALLS]send_mail[ARGS]{}', False, False),
+    (NAMED, "auto", True, "[TOOL_CALLS]get_weather", True, False),
     ("meta-llama-Llama-3.2-3B-Instruct", "required", True, LLAMA_CALL, True, True),
     ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, LLAMA_CALL, True, True),
     ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, "It is sunny {really}.", True, True),
@@ -135,6 +148,7 @@ def test_grammar_takes_the_family_form_only(templated, name, choice, parallel, t
 
 MISTRAL = MarkedFormat("mistral", "[TOOL_CALLS]", True)
 LLAMA = MarkedFormat("llama3", "", False, "parameters")
+V11 = MarkedFormat("mistral", "[TOOL_CALLS]", False, args_marker="[ARGS]")
 PARSE_CASES = [  # (format, text, content, [(name, arguments)])
     (MISTRAL, "Let me see. " + MISTRAL_CALL, "Let me see.", [("get_weather", '{"city": "Oslo"}')]),
     (MISTRAL, "[TOOL_CALLS]" + TWO, None,
@@ -143,6 +157,11 @@ PARSE_CASES = [  # (format, text, content, [(name, arguments)])
     (MISTRAL, "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
     (MISTRAL, '[TOOL_CALLS][{"x": 1}] tail', '[TOOL_CALLS][{"x": 1}] tail', []),
     (MISTRAL, '[TOOL_CALLS][{"name": "f"}]', None, [("f", "{}")]),
+    (V11, "Checking. " + NAMED_CALL + '[TOOL_CALLS]f[ARGS]{"a": [1]}', "Checking.",
+     [("get_weather", '{"city": "Oslo"}'), ("f", '{"a": [1]}')]),
+    (V11, "[TOOL_CALLS]bad name[ARGS]{}", "[TOOL_CALLS]bad name[ARGS]{}", []),
+    (V11, "[TOOL_CALLS]f[ARGS]nope", "[TOOL_CALLS]f[ARGS]nope", []),
+    (V11, NAMED_CALL + " done", "done", [("get_weather", '{"city": "Oslo"}')]),
     (LLAMA, "  " + LLAMA_CALL, None, [("get_time", '{"tz": "CET"}')]),
     (LLAMA, "<|python_tag|>" + LLAMA_CALL, None, [("get_time", '{"tz": "CET"}')]),
     (LLAMA, "The answer is {x}.", "The answer is {x}.", []),
@@ -196,7 +215,8 @@ def test_a_special_token_marker_is_named_in_the_grammar_and_kept(smollm2_gguf_pa
 
 @pytest.fixture(scope="module", params=["mistralai-Mistral-Nemo-Instruct-2407",
                                         "ibm-granite-granite-3.3-2B-Instruct",
-                                        "meta-llama-Llama-3.2-3B-Instruct"])  # fmt: skip
+                                        "meta-llama-Llama-3.2-3B-Instruct",
+                                        "mistralai-Ministral-3-14B-Reasoning-2512"])  # fmt: skip
 def family_server(request, smollm2_gguf_path, tmp_path_factory):
     from tinyserve.models.default_model import tokenizer_dir_for
     from tinyserve.testing.checkpoints import build_fuzz_model

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.tool_stream import HermesStream
-from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
+from tinyserve.entrypoints.tool_stream_marked import MarkedStream, NamedArgsStream, collect_calls
 from tinyserve.structured.schema_fixes import fix_schema
 
 
@@ -53,17 +53,21 @@ class MarkedFormat:
     marker_id: int | None = None  # the marker's token id where it is one special token
     renders_calls: bool = True  # the template writes past tool_calls itself
     id_length: int | None = None  # Mistral: tool call ids of 9 alphanumerics
+    args_marker: str = ""  # Mistral v11+: each call is MARKER name ARGS_MARKER {arguments}
+    args_marker_id: int | None = None
 
     @property
     def keeps_special_tokens(self) -> bool:
-        return self.marker_id is not None
+        return self.marker_id is not None or self.args_marker_id is not None
 
     def grammar(self, tools: list[T.Tool], choice, parallel: bool, open_args: bool) -> str:
         """llguidance Lark: ``required`` / named, the answer is the calls; ``auto``, free text
         until the marker, then calls (Llama 3.x: a call, or text that does not open one)."""
+        many = parallel and not isinstance(choice, T.NamedToolChoice)
+        if self.args_marker:
+            return self._named_grammar(tools, choice in (None, "auto"), many, open_args)
         defs: dict = {}
         one = T.call_schema(tools, defs, open_args, self.args_key)
-        many = parallel and not isinstance(choice, T.NamedToolChoice)
         body = one if not self.array else {
             "type": "array", "items": one, "minItems": 1,
             "maxItems": T.MAX_PARALLEL_CALLS if many else 1,
@@ -76,7 +80,7 @@ class MarkedFormat:
             lines.append("start: calls" + (" | TEXT" if auto else ""))
             lines.append("TEXT: /(?s:([^{ \\t\\n\\r]|[ \\t\\n\\r]+[^{ \\t\\n\\r]).*)?/")
             return "\n".join(lines)
-        mark = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps(self.marker)
+        mark = _lark_literal(self.marker, self.marker_id)
         if auto:
             lines += ["start: TEXT | head calls", f"head[lazy]: TEXT {mark}",
                       "TEXT: /(?s:.*)/"]  # fmt: skip
@@ -84,7 +88,28 @@ class MarkedFormat:
             lines.append(f"start: {mark} calls")
         return "\n".join(lines)
 
-    def stream(self) -> MarkedStream:
+    def _named_grammar(self, tools: list[T.Tool], auto: bool, many: bool, open_args: bool) -> str:
+        """``MARKER name ARGS {arguments}`` per call, the calls back to back."""
+        mark = _lark_literal(self.marker, self.marker_id)
+        args = _lark_literal(self.args_marker, self.args_marker_id)
+        lines = [
+            f"call{i}: {json.dumps(t.function.name)} {args} %json " + json.dumps({
+                "x-guidance": T.TOOL_JSON_OPTIONS,
+                **fix_schema(T.parameters(t, open_args))})
+            for i, t in enumerate(tools)
+        ]  # fmt: skip
+        lines.append("call: " + " | ".join(f"call{i}" for i in range(len(tools))))
+        calls = f"call ({mark} call)*" if many else "call"
+        if auto:
+            lines += [f"start: TEXT | head {calls}", f"head[lazy]: TEXT {mark}",
+                      "TEXT: /(?s:.*)/"]  # fmt: skip
+        else:
+            lines.append(f"start: {mark} {calls}")
+        return "\n".join(lines)
+
+    def stream(self) -> MarkedStream | NamedArgsStream:
+        if self.args_marker:
+            return NamedArgsStream(self.marker, self.args_marker)
         return MarkedStream(self.marker, self.array, self.args_key)
 
     def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
@@ -148,6 +173,11 @@ class HermesFormat:
 ToolFormat = MarkedFormat | HermesFormat
 
 
+def _lark_literal(text: str, token_id: int | None) -> str:
+    """A marker in llguidance's Lark: its special token by id, else the text."""
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
 def special_id(tokenizer, marker: str) -> int | None:
     """The token id of ``marker`` where the tokenizer has it as one special token."""
     special = set(getattr(tokenizer, "all_special_tokens", None) or [])
@@ -165,9 +195,12 @@ def tool_format(tokenizer) -> ToolFormat | None:
     if "tools" not in text:
         return None
     renders = "tool_calls" in text
-    if "[TOOL_CALLS]" in text and "[ARGS]" not in text:
-        return MarkedFormat("mistral", "[TOOL_CALLS]", True, marker_id=special_id(
-            tokenizer, "[TOOL_CALLS]"), renders_calls=renders, id_length=9)  # fmt: skip
+    if "[TOOL_CALLS]" in text:  # Mistral: an array of calls, or (v11+) name[ARGS]{...} each
+        named = "[ARGS]" in text
+        return MarkedFormat("mistral", "[TOOL_CALLS]", not named, renders_calls=renders,
+                            marker_id=special_id(tokenizer, "[TOOL_CALLS]"), id_length=9,
+                            args_marker="[ARGS]" if named else "",
+                            args_marker_id=special_id(tokenizer, "[ARGS]") if named else None)  # fmt: skip
     if "<|tool_call|>" in text:
         return MarkedFormat("granite", "<|tool_call|>", True, renders_calls=renders,
                             marker_id=special_id(tokenizer, "<|tool_call|>"))  # fmt: skip

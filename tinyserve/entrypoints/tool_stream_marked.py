@@ -9,11 +9,15 @@ which is how a whole answer is parsed (so streamed and not streamed agree by con
 
 from __future__ import annotations
 
-from tinyserve.entrypoints.tool_stream import Event, JsonScanner, _Deltas, text_until
+import re
+
+from tinyserve.entrypoints.json_scanner import JsonScanner
+from tinyserve.entrypoints.tool_stream import Event, _Deltas, partial_tag, scan_more, text_until
 from tinyserve.entrypoints.tools import FunctionCall, ToolCall
 
 _WS = " \t\n\r"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it (kept special tokens)
+_NAME = re.compile(r"[a-zA-Z0-9_-]*")  # a function name as far as it has come
 
 
 class MarkedStream:
@@ -74,21 +78,12 @@ class MarkedStream:
         return True
 
     def _json(self) -> bool:
-        if not self._scan.started:
-            stripped = self._buf.lstrip(_WS)
-            self._held += self._buf[: len(self._buf) - len(stripped)]
-            self._buf = stripped
-            if not stripped:
-                return False
-            if stripped[0] != ("[" if self._array else "{"):
-                return self._not_a_call()
-        events, used = self._scan.feed(self._buf)
-        self._held += self._buf[:used]
-        self._buf = self._buf[used:]
+        events, used, self._buf = scan_more(self._scan, self._buf, "[" if self._array else "{")
+        self._held += used
+        if events is None:
+            return self._not_a_call()
         for kind, path, piece in events:
             self._event(kind, path, piece)
-        if self._scan.error:
-            return self._not_a_call()
         if not self._scan.done:
             return False
         if not self._array:
@@ -118,6 +113,79 @@ class MarkedStream:
         self._mode = "raw"
         self._buf, self._held = self._held + self._buf, ""
         return True
+
+
+class NamedArgsStream(MarkedStream):
+    """``MARKER name ARGS {arguments}`` per call (Mistral's v11+ templates): content until the
+    first marker, then calls back to back."""
+
+    def __init__(self, marker: str, args_marker: str) -> None:
+        super().__init__(marker, False, "")
+        self._args_marker = args_marker
+        self._calls = 0
+        self._pending = ""  # the name read, until its arguments open
+
+    def finish(self, finish_reason: str) -> list[Event]:
+        mid_call = self._mode in ("name", "json")
+        if self._mode in ("text", "raw"):
+            self._d.content(self._buf)
+        self._buf = ""
+        return self._d.take(finish_reason, mid_call=mid_call)
+
+    def _step(self) -> bool:
+        if self._mode == "raw":
+            self._d.content(self._buf)
+            self._buf = ""
+            return False
+        if self._mode == "text":
+            marker, self._buf = text_until(self._d, self._buf, self._marker)
+            if marker is not None:
+                self._held, self._mode = marker, "name"
+            return marker is not None
+        return {"name": self._name, "json": self._args, "after": self._next}[self._mode]()
+
+    def _name(self) -> bool:
+        at = self._buf.find(self._args_marker)
+        if at < 0:
+            head = self._buf[: len(self._buf) - partial_tag(self._buf, self._args_marker)]
+            return False if _NAME.fullmatch(head) else self._not_a_call()
+        name = self._buf[:at]
+        if not name or not _NAME.fullmatch(name):
+            return self._not_a_call()
+        self._pending = name  # named once its arguments open
+        self._held += self._buf[: at + len(self._args_marker)]
+        self._buf = self._buf[at + len(self._args_marker) :]
+        self._mode, self._scan = "json", JsonScanner()
+        return True
+
+    def _args(self) -> bool:
+        events, used, self._buf = scan_more(self._scan, self._buf, "{")
+        self._held += used
+        if events is None:
+            return self._not_a_call()
+        if self._scan.started and not self._d.is_named(self._calls):  # the arguments opened
+            self._d.name_piece(self._calls, self._pending)
+            self._d.named(self._calls)
+        for kind, _, piece in events:
+            if kind == "raw":
+                self._d.arguments(self._calls, piece)
+        if self._scan.done:
+            self._d.call_done(self._calls)
+            self._calls += 1
+            self._mode, self._held = "after", ""
+        return self._scan.done
+
+    def _next(self) -> bool:
+        """After a call: the next one's marker, or text (not from the grammar): content."""
+        stripped = self._buf.lstrip(_WS)
+        if stripped.startswith(self._marker):
+            self._held, self._buf = self._marker, stripped[len(self._marker) :]
+            self._mode = "name"
+            return True
+        if stripped and not self._marker.startswith(stripped):
+            self._buf, self._mode = stripped, "raw"
+            return True
+        return False
 
 
 def collect_calls(events: list[Event]) -> tuple[str | None, list[ToolCall]]:

@@ -119,17 +119,12 @@ def call_schema(
     Parameters that use ``$ref`` are moved into ``defs`` (the envelope's root ``$defs``).
     Unless ``open_args``, an object with declared properties takes no others where its schema
     does not say (OpenAI's strict semantics: ``closed_objects``)."""
-
-    def params(t: Tool) -> dict:
-        p = t.function.parameters or {"type": "object"}
-        return p if open_args else closed_objects(p)
-
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                args_key: _relocated(params(t), i, defs),
+                args_key: _relocated(parameters(t, open_args), i, defs),
             },
             "required": ["name", args_key],
             "additionalProperties": False,
@@ -137,6 +132,12 @@ def call_schema(
         for i, t in enumerate(tools)
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def parameters(tool: Tool, open_args: bool = False) -> dict:
+    """A tool's arguments schema; closed (``closed_objects``) unless ``open_args``."""
+    p = tool.function.parameters or {"type": "object"}
+    return p if open_args else closed_objects(p)
 
 
 def _relocated(params: dict, i: int, defs: dict | None) -> dict:

@@ -61,8 +61,8 @@ class EngineArgs:
     kernel_activations: str = "auto"  # GGUF blocks: bf16 activations where AVX512-BF16 is
     fused_step: bool = True  # all layers in one C call (kernels/step.c) on the kernel path
     # Speculative decoding (spec_decode/): vLLM's JSON, e.g. '{"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}', or the
-    # parsed config (what the --speculative-config flag gives).
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' or
+    # '{"method": "suffix"}', or the parsed config (what the --speculative-config flag gives).
     speculative_config: str | dict | SpeculativeConfig | None = None
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (worker/decode_graphs.py)
 
@@ -134,8 +134,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_speculative_config,
         help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(n-gram prompt lookup; lossless; drafts priced by this machine's measured step "
-        "costs, none above max_batch_size running requests, default 8)",
+        "(n-gram prompt lookup), or '{\"method\": \"suffix\"}' (suffix decoding: drafts "
+        "from the request's tokens and earlier outputs of its cache_salt); lossless; drafts "
+        "priced by this machine's measured step costs, none above max_batch_size running "
+        "requests, default 8",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -65,6 +65,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Attention sees the last ``sliding_window`` positions (Mistral); None: all of them.
     sliding_window: int | None = None
+    # Per layer 1 = windowed, 0 = full attention (``layer_types``; Gemma 3: local_layers).
+    # None: every layer has the window.
+    window_layers: tuple[int, ...] | None = None
     # SmolLM3: per layer, 1 = RoPE, 0 = no position encoding (NoPE). None: RoPE everywhere.
     no_rope_layers: tuple[int, ...] | None = None
     # Granite: input rows x embedding_multiplier; each attention / MLP output x
@@ -87,15 +90,8 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}: tinyserve serves "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-        ):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):  # fmt: skip
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model config: {name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -103,11 +99,11 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
-            raise ValueError(
-                f"model config: no_rope_layers has {len(self.no_rope_layers)} entries for "
-                f"{self.num_hidden_layers} layers"
-            )
+        for name in ("no_rope_layers", "window_layers", "local_layers"):
+            marks = getattr(self, name)
+            if marks is not None and len(marks) != self.num_hidden_layers:
+                raise ValueError(f"model config: {name} has {len(marks)} entries for "
+                                 f"{self.num_hidden_layers} layers")  # fmt: skip
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"model config: sliding_window must be > 0, got {self.sliding_window}")
         if self.head_dim % 2 != 0:
@@ -134,6 +130,11 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (transformers' int(head_dim * factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to its whole context)."""
+        marks = self.window_layers or self.local_layers
+        return None if marks is not None and not marks[layer] else self.sliding_window
 
     @property
     def q_size(self) -> int:

@@ -30,18 +30,20 @@ def emulated() -> dict[str, ctypes.CDLL]:
             for lv in levels}  # fmt: skip
 
 
-def attend(lib, q, kc, vc, query_lens, seq_lens, tables, scale, tiles=True):
+def attend(lib, q, kc, vc, query_lens, seq_lens, tables, scale, tiles=True, window=None):
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     sot = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
     width = max(len(t) for t in tables)
     tb = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     return attention_kernel.paged_attention(q, kc, vc, qsl, torch.tensor(seq_lens), sot, tb,
-                                            scale, lib=lib, tiles=tiles)  # fmt: skip
+                                            scale, lib=lib, tiles=tiles,
+                                            window=window)  # fmt: skip
 
 
-def tile_reference(q, kc, vc, query_lens, seq_lens, tables, scale):
+def tile_reference(q, kc, vc, query_lens, seq_lens, tables, scale, window=None):
     """attention_amx.h's contract in float64: q, k, v rounded to bf16 (nearest even), the
-    softmax weights rounded to bf16 before they weight the values and are summed."""
+    softmax weights rounded to bf16 before they weight the values and are summed; with a
+    ``window``, over each query's last ``window`` keys."""
     def bf(t):
         return t.to(torch.bfloat16).double()
 
@@ -54,7 +56,8 @@ def tile_reference(q, kc, vc, query_lens, seq_lens, tables, scale):
             pos = sl - ql + i
             qi = bf(q[row + i])  # [H, D]
             g = qi.shape[0] // kvh
-            kk, vv = k[: pos + 1].repeat_interleave(g, 1), v[: pos + 1].repeat_interleave(g, 1)
+            lo = 0 if window is None else max(0, pos - window + 1)
+            kk, vv = k[lo : pos + 1].repeat_interleave(g, 1), v[lo : pos + 1].repeat_interleave(g, 1)
             s = torch.einsum("hd,jhd->hj", qi, kk) * scale
             e = torch.exp(s - s.max(1, keepdim=True).values)
             p = e.float().to(torch.bfloat16).double()
@@ -109,6 +112,29 @@ def test_each_row_is_bitwise_what_it_gives_alone(emulated):
                              [table], dim**-0.5)  # fmt: skip
                 assert torch.equal(row[0], batch[start + i])
             start += ql
+
+
+@pytest.mark.parametrize("window", [1, 5, 31, 64, 65, 100])
+def test_a_sliding_window_on_tiles_equals_its_contract_and_each_row_alone(emulated, window):
+    """Keys left of a query's window (in its first chunk: masked to p = 0, before the
+    chunk: not read) drop out of its partials: the tile contract over the last ``window``
+    keys; each row bitwise what it gives alone; every build the same bits."""
+    heads, kv_heads, dim = 8, 2, 64
+    q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, 16, QUERY_LENS, SEQ_LENS, seed=4)
+    args = (q, kc, vc, QUERY_LENS, SEQ_LENS, tables, dim**-0.5)
+    outs = [attend(lib, *args, window=window) for lib in emulated.values()]
+    assert (outs[0].double() - tile_reference(*args, window=window)).abs().max() < 2e-3
+    for out in outs:
+        assert torch.equal(out, outs[0])
+    if attention_kernel.uses_tiles(dim):  # this CPU's build: the hardware tiles, same bits
+        assert torch.equal(attend(None, *args, window=window), outs[0])
+    lib, start = next(iter(emulated.values())), 0
+    for ql, sl, table in zip(QUERY_LENS, SEQ_LENS, tables, strict=True):
+        for i in range(0, ql, 5):
+            row = attend(lib, q[start + i : start + i + 1], kc, vc, [1], [sl - ql + i + 1],
+                         [table], dim**-0.5, window=window)  # fmt: skip
+            assert torch.equal(row[0], outs[0][start + i])
+        start += ql
 
 
 def test_heads_of_no_whole_tile_and_the_float_entry_points_keep_the_float_chunk(emulated):

@@ -96,19 +96,26 @@ def _config(**cfg) -> ModelConfig:
     return ModelConfig.from_hf_config({**base, **cfg})
 
 
-def test_a_sliding_window_caps_the_context_it_is_served_with():
-    """Windowed attention through the paged cache is not built: within the window, full
-    attention is the same computation, so the context is the window."""
+def test_a_sliding_window_does_not_cap_the_context_and_is_per_layer():
+    """Windowed attention runs through the paged cache (test_sliding_window.py): the context
+    is the model's; each layer's window is the config's where its layer type is windowed."""
     windowed = _config(sliding_window=4096)
-    assert resolve_max_model_len(windowed, None, 10**6) == 4096
-    assert resolve_max_model_len(windowed, 2048, 10**6) == 2048
-    with pytest.raises(ValueError, match="sliding window"):
-        resolve_max_model_len(windowed, 8192, 10**6)
+    assert resolve_max_model_len(windowed, None, 10**6) == 32768
+    assert resolve_max_model_len(windowed, 8192, 10**6) == 8192
+    assert [windowed.layer_window(i) for i in range(2)] == [4096, 4096]
     assert resolve_max_model_len(_config(sliding_window=None), None, 10**6) == 32768
     off = _config(architectures=["Qwen3ForCausalLM"], sliding_window=4096, use_sliding_window=False)
-    assert off.sliding_window is None
+    assert off.sliding_window is None and off.layer_window(0) is None
     full_layers = _config(sliding_window=4096, layer_types=["full_attention"] * 2)
     assert full_layers.sliding_window is None
+    mixed = _config(sliding_window=64, layer_types=["full_attention", "sliding_attention"])
+    assert [mixed.layer_window(i) for i in range(2)] == [None, 64]
+    # Qwen2 before layer_types: windowed from max_window_layers on (transformers' rule).
+    qwen2 = _config(architectures=["Qwen2ForCausalLM"], sliding_window=32,
+                    use_sliding_window=True, max_window_layers=1)  # fmt: skip
+    assert [qwen2.layer_window(i) for i in range(2)] == [None, 32]
+    with pytest.raises(ValueError, match="window_layers has 1 entries"):
+        ModelConfig(**{**dataclasses.asdict(windowed), "window_layers": (1,)})
 
 
 @pytest.mark.parametrize(

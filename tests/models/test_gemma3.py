@@ -1,7 +1,7 @@
 """Gemma 3 text (models/gemma3.py) against transformers' Gemma3ForCausalLM on a tiny random
 checkpoint with every feature weighted away from its default: fp32 logits at prefill and at
-every teacher-forced decode step through the paged cache (within the 64-position window the
-context is capped at), greedy tokens, batch invariance, on the CPU kernels and the torch
+every teacher-forced decode step through the paged cache (within its 64-position window;
+past a window: test_sliding_window.py), greedy tokens, batch invariance, on the CPU kernels and the torch
 path. Its GGUF (norms as 1 + w, llama.cpp's norm names, every 6th layer global) is one of
 test_families.py's GGUF round trips."""
 
@@ -77,9 +77,10 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(gemma):
         assert torch.equal(x, y)
 
 
-def test_the_context_is_capped_at_the_window(gemma):
+def test_the_context_is_not_capped_at_the_window(gemma):
     ours, _ = load_model(gemma[0], dtype=torch.float32)
-    assert resolve_max_model_len(ours.config, None, 10**6) == 64
+    assert resolve_max_model_len(ours.config, None, 10**6) == 512
+    assert [layer.self_attn.window for layer in ours.model.layers] == [64, None, 64]
 
 
 # What each feature is, turned off in transformers: the logits must then move.
@@ -132,6 +133,7 @@ def test_a_gemma3_1b_config_json():
     assert c.local_layers == tuple(int((i + 1) % 6 != 0) for i in range(26))
     assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 10000.0, None)
     assert (c.attention_multiplier, c.sliding_window, c.head_dim) == (1 / 16, 512, 256)
-    assert resolve_max_model_len(c, None, 10**6) == 512
+    assert resolve_max_model_len(c, None, 10**6) == 32768
+    assert [c.layer_window(i) for i in range(6)] == [512] * 5 + [None]
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         ModelConfig.from_hf_config({**GEMMA3_1B, "final_logit_softcapping": 30.0})

@@ -133,12 +133,13 @@ def test_a_phi4_mini_config_json():
     assert resolve_max_model_len(c, None, 10**6) == 131072  # the window is past the context
 
 
-def test_phi3_mini_4k_window_caps_the_context():
+def test_phi3_mini_4k_window_is_every_layers_and_does_not_cap_the_context():
     cfg = {**PHI4_MINI, "max_position_embeddings": 4096, "sliding_window": 2047,
            "rope_scaling": None, "partial_rotary_factor": 1.0}  # fmt: skip
     c = ModelConfig.from_hf_config(cfg)
     assert c.rope_scaling is None and c.rotary_dim == c.head_dim
-    assert resolve_max_model_len(c, None, 10**6) == 2047
+    assert {c.layer_window(i) for i in range(c.num_hidden_layers)} == {2047}
+    assert resolve_max_model_len(c, None, 10**6) == 4096
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,11 @@
 //   cache  k/v [num_blocks, block_size, KVH, D]
 //   out    [T, H, D]
 // Sequence s owns flat rows query_start_loc[s] .. query_start_loc[s+1]-1, at positions
-// seq_lens[s] - q_len .. seq_lens[s] - 1; query row i sees keys 0 .. its position.
+// seq_lens[s] - q_len .. seq_lens[s] - 1; query row i sees keys 0 .. its position p, or with
+// a sliding window W > 0 keys p - W + 1 .. p (transformers' sliding_window_overlay: the last
+// W keys, its own included). A windowed row's chunks are those its keys touch, cut at the
+// same multiples of CHUNK; keys left of its window in its first chunk are masked out of its
+// softmax (p = 0), so its bits too depend only on its position and the window.
 //
 // A query row's keys are cut into chunks of CHUNK (flash-decoding): each chunk gives, for the
 // H/KVH query heads sharing a KV head, its score maximum m, its sum l of exp(s - m) and its
@@ -90,9 +94,10 @@ static int64_t chunk_scratch_bytes(int G, int D, int tiles) {
 
 
 // A call's rows as attention_run plans them, and what every work item reads. Per row t:
-// pos[t] its last key, first[t] the chunks before it; per group i: grp[i] its first row
-// (grp[ng] = T), gfirst[i] the chunks of the groups before it (a group has its longest
-// row's chunks).
+// pos[t] its last key, lo[t] its first (0 without a window), first[t] the chunks before it;
+// per group i: grp[i] its first row (grp[ng] = T), gfirst[i] the chunks of the groups
+// before it (a group's chunks: from its first row's first to its last row's last). The
+// chunk c of group i is the absolute chunk lo[grp[i]] / CHUNK + c.
 typedef struct {
     attn_t a;
     const float *q;
@@ -103,7 +108,8 @@ typedef struct {
     float *out;
     int tiles, G;
     int64_t pf;  // floats of one chunk's partial
-    int64_t T, ng, *pos, *first, *grp, *gfirst;
+    int64_t window;  // W > 0: a sliding window of W keys; 0: none
+    int64_t T, ng, *pos, *lo, *first, *grp, *gfirst;
 } plan_t;
 
 // p's rows cut into groups of up to `group` consecutive rows of one sequence (pos .. gfirst
@@ -111,15 +117,17 @@ typedef struct {
 static int plan_rows(plan_t *p, const int64_t *query_start_loc, const int64_t *seq_lens,
                      int group) {
     const int64_t T = p->T, *seq_of_token = p->seq_of_token;
-    int64_t *buf = (int64_t *)malloc((4 * T + 3) * sizeof(int64_t));
+    int64_t *buf = (int64_t *)malloc((5 * T + 3) * sizeof(int64_t));
     if (buf == NULL) return -1;
-    int64_t *pos = buf, *first = pos + T, *grp = first + T + 1, *gfirst = grp + T + 1, ng = 0;
+    int64_t *pos = buf, *lo = pos + T, *first = lo + T, *grp = first + T + 1,
+            *gfirst = grp + T + 1, ng = 0;
     first[0] = 0;
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = seq_of_token[t];
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         pos[t] = seq_lens[s] - q_len + (t - query_start_loc[s]);
-        first[t + 1] = first[t] + pos[t] / CHUNK + 1;
+        lo[t] = p->window > 0 && pos[t] >= p->window ? pos[t] - p->window + 1 : 0;
+        first[t + 1] = first[t] + pos[t] / CHUNK - lo[t] / CHUNK + 1;
         if (t == 0 || seq_of_token[t - 1] != s || t - grp[ng - 1] == group) grp[ng++] = t;
     }
     grp[ng] = T;
@@ -127,38 +135,42 @@ static int plan_rows(plan_t *p, const int64_t *query_start_loc, const int64_t *s
     for (int64_t i = 0; i < ng; i++) {
         int64_t last = 0;
         for (int64_t t = grp[i]; t < grp[i + 1]; t++) last = pos[t] > last ? pos[t] : last;
-        gfirst[i + 1] = gfirst[i] + last / CHUNK + 1;
+        gfirst[i + 1] = gfirst[i] + last / CHUNK - lo[grp[i]] / CHUNK + 1;
     }
-    p->pos = pos, p->first = first, p->grp = grp, p->gfirst = gfirst, p->ng = ng;
+    p->pos = pos, p->lo = lo, p->first = first, p->grp = grp, p->gfirst = gfirst, p->ng = ng;
     return 0;
 }
 
 // Chunk c of group i and KV head g as next_t (its keys: those of the group's last, longest
 // row, at most CHUNK): what a thread prefetches while computing the chunk before it.
 static inline next_t chunk_of(const plan_t *p, int64_t i, int64_t c, int64_t g) {
-    const int64_t left = p->pos[p->grp[i + 1] - 1] + 1 - c * CHUNK;
+    const int64_t j0 = (p->lo[p->grp[i]] / CHUNK + c) * CHUNK;
+    const int64_t left = p->pos[p->grp[i + 1] - 1] + 1 - j0;
     const next_t nx = {p->block_tables + p->seq_of_token[p->grp[i]] * p->max_blocks, g,
-                       c * CHUNK, left < CHUNK ? (int)left : CHUNK};
+                       j0, left < CHUNK ? (int)left : CHUNK};
     return nx;
 }
 
-// Chunk c's partials for the rows of group i that reach it (pos[t]: row t's last key,
-// increasing within a group, so they are its last rows) and KV head g; row t's (t0: the
-// group's first row) goes to rows[t - t0] + c * pf.
+// Chunk c's partials for the rows of group i whose keys it holds (pos[t] and lo[t] increase
+// within a group: rows ta .. tb-1, those reaching it and not windowed past it) and KV head g;
+// row t's (t0: the group's first row) goes to rows[t - t0] + (its own chunk index) * pf.
 static void group_chunk(const plan_t *p, int64_t i, int64_t c, int64_t g, float *const *rows,
                         void *sc, const next_t *next) {
-    const int64_t j0 = c * CHUNK, t0 = p->grp[i], t1 = p->grp[i + 1];
-    int64_t ta = t0;
+    const int64_t t0 = p->grp[i], t1 = p->grp[i + 1], c0 = p->lo[t0] / CHUNK;
+    const int64_t j0 = (c0 + c) * CHUNK;
+    int64_t ta = t0, tb;
     while (p->pos[ta] < j0) ta++;
-    int n[GROUP_TILES];
+    for (tb = ta; tb < t1 && p->lo[tb] < j0 + CHUNK;) tb++;
+    int b[GROUP_TILES], n[GROUP_TILES];
     float *pp[GROUP_TILES];
-    for (int64_t t = ta; t < t1; t++) {
+    for (int64_t t = ta; t < tb; t++) {
+        b[t - ta] = p->lo[t] > j0 ? (int)(p->lo[t] - j0) : 0;
         n[t - ta] = p->pos[t] + 1 - j0 < CHUNK ? (int)(p->pos[t] + 1 - j0) : CHUNK;
-        pp[t - ta] = rows[t - t0] + c * p->pf;
+        pp[t - ta] = rows[t - t0] + (c0 + c - p->lo[t] / CHUNK) * p->pf;
     }
     const int32_t *table = p->block_tables + p->seq_of_token[t0] * p->max_blocks;
     (p->tiles ? chunk_partials_tiles : chunk_partials)(&p->a, p->q + ta * p->q_stride,
-                                                        p->q_stride, (int)(t1 - ta), n, table,
+                                                        p->q_stride, (int)(tb - ta), b, n, table,
                                                         g, j0, pp, sc, next);
 }
 
@@ -273,12 +285,12 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                          const void *v_cache, int bf16, int block_size, int H, int KVH, int D,
                          const int64_t *query_start_loc, const int64_t *seq_lens,
                          const int64_t *seq_of_token, int64_t T, const int32_t *block_tables,
-                         int64_t max_blocks, float scale, float *out, int nthreads,
-                         int want_tiles) {
+                         int64_t max_blocks, float scale, int64_t window, float *out,
+                         int nthreads, int want_tiles) {
     if (T <= 0) return 0;
     plan_t p = {{k_cache, v_cache, block_size, H, KVH, D, bf16, scale}, q, q_stride,
-                seq_of_token, block_tables, max_blocks, out, 0, H / KVH, 0, T, 0,
-                NULL, NULL, NULL, NULL};
+                seq_of_token, block_tables, max_blocks, out, 0, H / KVH, 0, window, T, 0,
+                NULL, NULL, NULL, NULL, NULL};
     // Tiles (asked for by the _tiles entry points): every row of the call, for head sizes of
     // whole tiles — one numeric path.
 #ifdef ATTN_AMX
@@ -298,16 +310,17 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
 // paged_attention_bf16 over a bf16 one (uint16 [num_blocks, block_size, KVH, D] each), and
 // the same two on AMX tiles (attention_amx.h's bf16 contract) where this build has them and
 // head_dim % 32 == 0, else as the first two: the _tiles pair for a model whose matmuls round
-// their activations to bf16 (--kernel-activations), chosen by the loader.
+// their activations to bf16 (--kernel-activations), chosen by the loader. window: the
+// layer's sliding window (0: none).
 #define ENTRY(name, KV_T, BF, TILES)                                                         \
     int name(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,     \
              int block_size, int H, int KVH, int D, const int64_t *query_start_loc,          \
              const int64_t *seq_lens, const int64_t *seq_of_token, int64_t T,                \
-             const int32_t *block_tables, int64_t max_blocks, float scale, float *out,       \
-             int nthreads) {                                                                 \
+             const int32_t *block_tables, int64_t max_blocks, float scale, int64_t window,   \
+             float *out, int nthreads) {                                                     \
         return attention_run(q, q_stride, k_cache, v_cache, BF, block_size, H, KVH, D,       \
                              query_start_loc, seq_lens, seq_of_token, T, block_tables,       \
-                             max_blocks, scale, out, nthreads, TILES);                       \
+                             max_blocks, scale, window, out, nthreads, TILES);               \
     }
 ENTRY(paged_attention, float, 0, 0)
 ENTRY(paged_attention_bf16, uint16_t, 1, 0)

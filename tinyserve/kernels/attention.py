@@ -5,7 +5,8 @@ attention_amx.h).
 Reads each sequence's K/V where they lie in the paged cache — no gathered copy of the
 context, no padded mask — in chunks of 64 keys combined in order (flash-decoding, so one
 decode row uses every thread); the cut depends only on the row's position, so a row's output
-does not depend on the other rows of the step (batch invariance). The torch
+does not depend on the other rows of the step (batch invariance). With a sliding window W a
+query at position p reads keys p - W + 1 .. p only (its chunks from the window's start). The torch
 path (layers/attention.py) is used where this kernel cannot run: no AVX2, head_dim not a
 multiple of 8, or a model that does not run in float32.
 """
@@ -26,7 +27,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     for f in (lib.paged_attention, lib.paged_attention_bf16, lib.paged_attention_tiles,
               lib.paged_attention_bf16_tiles):
         f.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
-                      ctypes.c_float, p, i32]  # fmt: skip
+                      ctypes.c_float, i64, p, i32]  # fmt: skip
         f.restype = ctypes.c_int
     lib.attention_amx.argtypes, lib.attention_amx.restype = [], ctypes.c_int
     return lib
@@ -62,6 +63,7 @@ def paged_attention(
     scale: float,
     lib: ctypes.CDLL | None = None,  # another build (typed(); e.g. another ISA level)
     tiles: bool = False,  # AMX tiles where the build has them (uses_tiles), else float32
+    window: int | None = None,  # a sliding window: each query sees its last ``window`` keys
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -75,7 +77,7 @@ def paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
         num_heads, num_kv_heads, head_dim, query_start_loc.data_ptr(), seq_lens.data_ptr(),
         seq_of_token.data_ptr(), num_tokens, block_tables.data_ptr(), block_tables.shape[1],
-        scale, out.data_ptr(), kernel_threads(),
+        scale, window or 0, out.data_ptr(), kernel_threads(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("paged attention: could not allocate its scratch memory")

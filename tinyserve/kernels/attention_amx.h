@@ -150,15 +150,17 @@ static void amx_pack_kv(const void *const *kp, const void *const *vp, int n, int
     }
 }
 
-// One query's softmax over its nr keys of a chunk's nk (sr: its raw q.k sums, CHUNK floats):
-// out[0] = m, out[1] = l, pr [nk] the bf16 p (zeros past nr). l sums p_j into 16 lanes by
+// One query's softmax over its keys b .. nr-1 of a chunk's nk (sr: its raw q.k sums, CHUNK
+// floats; b > 0: left of its window): out[0] = m, out[1] = l, pr [nk] the bf16 p (0 outside). l sums p_j into 16 lanes by
 // j % 16 in order of j, then adds the halves lane by lane and hsum8s: the same bits from the
 // 16-lane and the 8-lane code.
-INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, float *out) {
+INLINE void softmax_row(float *sr, int b, int nr, int nk, float scale, uint16_t *pr, float *out) {
 #ifdef __AVX512BF16__
     __m512 mx = _mm512_set1_ps(-INFINITY);
+#define KEEP16(j) (__mmask16)((nr - (j) >= 16 ? 0xFFFF : (1u << (nr - (j))) - 1) & \
+                             ~(b - (j) <= 0 ? 0u : b - (j) >= 16 ? 0xFFFFu : (1u << (b - (j))) - 1))
     for (int j = 0; j < nr; j += 16) {
-        const __mmask16 k = nr - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nr - j)) - 1);
+        const __mmask16 k = KEEP16(j);
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), k,
                                             _mm512_mul_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(scale)));
         _mm512_storeu_ps(sr + j, s);
@@ -170,7 +172,7 @@ INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, fl
     for (int j = 0; j < nk; j += 16) {
         __m256i w = _mm256_setzero_si256();
         if (j < nr) {
-            const __mmask16 k = nr - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nr - j)) - 1);
+            const __mmask16 k = KEEP16(j);
             const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
             w = (__m256i)_mm512_cvtneps_pbh(e);
             sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16)));
@@ -179,12 +181,12 @@ INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, fl
     }
     out[1] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(sum),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))));
+#undef KEEP16
 #else
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 scale8 = _mm256_set1_ps(scale);
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int j = 0; j < nr; j += 8) {
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nr - j), iota));
+        const __m256 keep = keep8(b, nr, j);
         const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
                                           _mm256_mul_ps(_mm256_loadu_ps(sr + j), scale8), keep);
         _mm256_storeu_ps(sr + j, s);
@@ -201,7 +203,7 @@ INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, fl
             const int jj = j + 8 * h;
             w[h] = _mm256_setzero_si256();
             if (jj < nr) {
-                const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nr - jj), iota));
+                const __m256 keep = keep8(b, nr, jj);
                 const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + jj), mv)), keep);
                 w[h] = bf16_round(e);
                 sum[h] = _mm256_add_ps(sum[h], _mm256_castsi256_ps(_mm256_slli_epi32(w[h], 16)));
@@ -226,7 +228,7 @@ INLINE void softmax_row(float *sr, int nr, int nk, float scale, uint16_t *pr, fl
 // give the same bits: which one runs may follow M. Tiles: 0-1 S^T (16 keys x M), 2 the keys,
 // 3 Q^T, 4-5 the outputs (M x 16 of d), 6 p, 7 the values.
 static void chunk_few_queries(const attn_t *a, const float *q, int64_t q_stride, int64_t g, int M,
-                              const int *n_row, int nk, const uint32_t *kr, uint32_t *qt,
+                              const int *b_row, const int *n_row, int nk, const uint32_t *kr, uint32_t *qt,
                               const uint32_t *vt, uint16_t *qb, uint16_t *pb, float *sb,
                               float *srow, float *const *parts) {
     const int G = a->H / a->KVH, D = a->D, hd = D / 2, ns = D / 32, nd = D / 16, nkb = nk / 16;
@@ -260,7 +262,7 @@ static void chunk_few_queries(const attn_t *a, const float *q, int64_t q_stride,
     for (int m = 0; m < M; m++) {
         float *sr = srow + m * CHUNK;
         for (int j = 0; j < nk; j++) sr[j] = st[j * 16 + m];
-        softmax_row(sr, n_row[m / G], nk, a->scale, pb + m * CHUNK, parts[m / G] + (m % G) * (D + 2));
+        softmax_row(sr, b_row[m / G], n_row[m / G], nk, a->scale, pb + m * CHUNK, parts[m / G] + (m % G) * (D + 2));
     }
     float *ob = sb;  // [M][D]
     for (int db = 0; db < nd; db += 2) {
@@ -326,7 +328,7 @@ static void amx_outputs(const uint32_t *vt, const uint16_t *pb, float *ob, int n
 // many-query form, over the packed keys kt and values vt of nk keys: their partials into
 // parts. qb [16][D], pb [16][CHUNK], sb [16][max(CHUNK, D)]: chunk_partials_amx_t's scratch.
 static void amx_query_tile(const attn_t *a, const float *q, int64_t q_stride, int64_t g,
-                           int m0, int mq, const int *n_row, int nk, const uint32_t *kt,
+                           int m0, int mq, const int *b_row, const int *n_row, int nk, const uint32_t *kt,
                            const uint32_t *vt, uint16_t *qb, uint16_t *pb, float *sb,
                            float *const *parts) {
     const int G = a->H / a->KVH, D = a->D;
@@ -339,7 +341,7 @@ static void amx_query_tile(const attn_t *a, const float *q, int64_t q_stride, in
     tile_config_shapes(rows, colsb);
     amx_scores(kt, qb, sb, nk / 16, D / 32, D);
     for (int m = m0; m < m0 + mq; m++)
-        softmax_row(sb + (m - m0) * CHUNK, n_row[m / G], nk, a->scale, pb + (m - m0) * CHUNK,
+        softmax_row(sb + (m - m0) * CHUNK, b_row[m / G], n_row[m / G], nk, a->scale, pb + (m - m0) * CHUNK,
                     parts[m / G] + (m % G) * (D + 2));
     float *ob = sb;  // the scores are spent: the outputs [16][D]
     amx_outputs(vt, pb, ob, nk, D / 16, D);
@@ -351,7 +353,7 @@ static void amx_query_tile(const attn_t *a, const float *q, int64_t q_stride, in
 // chunk_scratch_amx_bytes. Up to AMX_FEW_QUERIES queries the transposed form, else the
 // many-query form one tile of 16 queries at a time.
 static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stride, int R,
-                                 const int *n_row, const int32_t *table, int64_t g, int64_t j0,
+                                 const int *b_row, const int *n_row, const int32_t *table, int64_t g, int64_t j0,
                                  float *const *parts, void *scratch, const next_t *next,
                                  const int BF) {
     const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1], nk = (n + 31) / 32 * 32;
@@ -373,11 +375,11 @@ static void chunk_partials_amx_t(const attn_t *a, const float *q, int64_t q_stri
     // block's contiguous slots.
     (void)next;
     if (few)
-        chunk_few_queries(a, q, q_stride, g, M, n_row, nk, kr, kt, vt, qb, pb, sb, srow, parts);
+        chunk_few_queries(a, q, q_stride, g, M, b_row, n_row, nk, kr, kt, vt, qb, pb, sb, srow, parts);
     else
         for (int m0 = 0; m0 < M; m0 += TILE_ROWS)
-            amx_query_tile(a, q, q_stride, g, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, n_row,
-                           nk, kt, vt, qb, pb, sb, parts);
+            amx_query_tile(a, q, q_stride, g, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, b_row,
+                           n_row, nk, kt, vt, qb, pb, sb, parts);
     TILE_RELEASE();
 }
 
@@ -388,10 +390,11 @@ static int64_t chunk_scratch_amx_bytes(int D) {
 }
 
 static void chunk_partials_amx(const attn_t *a, const float *q, int64_t q_stride, int R,
-                               const int *n_row, const int32_t *table, int64_t g, int64_t j0,
-                               float *const *parts, void *scratch, const next_t *next) {
-    if (a->bf16) chunk_partials_amx_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, next, 1);
-    else chunk_partials_amx_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, next, 0);
+                               const int *b_row, const int *n_row, const int32_t *table,
+                               int64_t g, int64_t j0, float *const *parts, void *scratch,
+                               const next_t *next) {
+    if (a->bf16) chunk_partials_amx_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, next, 1);
+    else chunk_partials_amx_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, next, 0);
 }
 
 #endif

@@ -154,19 +154,23 @@ INLINE void chunk_scores(const void *const *kp, const float *const *qs, float *c
         }
 }
 
-// One query's softmax over its own nr keys of the chunk's n: ph its scores, then exp(s - m),
-// and zeros after them up to n, so that a value pass may run to n for every query it
-// serves; out[0] = the maximum m, out[1] = the sum l.
-INLINE void softmax_query(float *ph, int nr, int n, float *out) {
-    const int last = (nr - 1) / 8 * 8;
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-        _mm256_set1_epi32(nr - last), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+// One query's softmax over its own keys b .. nr-1 of the chunk's n (b > 0: the first keys
+// are left of its sliding window): ph its scores, then exp(s - m), and zeros before and
+// after them up to n, so that a value pass may run over 0 .. n for every query it serves;
+// out[0] = the maximum m, out[1] = the sum l. With b = 0 a block's lanes below nr are all
+// kept, and blending or masking by all-ones changes no bit.
+// Lanes i0 .. i0+7 of a query's keys as a mask: all ones for those in b .. nr-1.
+INLINE __m256 keep8(int b, int nr, int i0) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(nr - i0), iota),
+                                                _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(b - i0 - 1))));
+}
+
+INLINE void softmax_query(float *ph, int b, int nr, int n, float *out) {
     __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int i0 = 0; i0 < nr; i0 += 8) {
-        __m256 s = _mm256_loadu_ps(ph + i0);
-        if (i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
-        mx = _mm256_max_ps(mx, s);
-    }
+    for (int i0 = 0; i0 < nr; i0 += 8)
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                                _mm256_loadu_ps(ph + i0), keep8(b, nr, i0)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
@@ -174,12 +178,11 @@ INLINE void softmax_query(float *ph, int nr, int n, float *out) {
     const __m256 mv = _mm256_set1_ps(out[0]);
     __m256 sum = _mm256_setzero_ps();
     for (int i0 = 0; i0 < nr; i0 += 8) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
-        if (i0 == last) e = _mm256_and_ps(e, keep);
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv)), keep8(b, nr, i0));
         _mm256_storeu_ps(ph + i0, e);
         sum = _mm256_add_ps(sum, e);
     }
-    for (int i = last + 8; i < n; i++) ph[i] = 0.0f;
+    for (int i = (nr + 7) / 8 * 8; i < n; i++) ph[i] = 0.0f;
     out[1] = hsum8(sum);
 }
 
@@ -207,15 +210,16 @@ INLINE void chunk_values(const void *const *vp, float *const *ps, float *const *
     }
 }
 
-// The partials of keys j0 .. j0+n_row[r]-1 for rows r = 0 .. R-1 of a group (consecutive
-// positions of one sequence: n_row[r] <= CHUNK, not decreasing) and the G heads of KV head g:
+// The partials of keys j0+b_row[r] .. j0+n_row[r]-1 for rows r = 0 .. R-1 of a group
+// (consecutive positions of one sequence: b_row[r] < n_row[r] <= CHUNK, neither decreasing;
+// b_row[r] > 0 where a sliding window starts inside the chunk) and the G heads of KV head g:
 // parts[r] + h * (D + 2) holds m, l, o[D]. The chunk's keys and values are read once per QB /
 // QV query vectors instead of once per (row, head). Each row's partial is bitwise what this
 // gives for that row alone (R = 1): the passes do the same arithmetic per query, and keys
-// past a row's own are masked out of its sums. scratch: chunk_scratch_bytes(G).
+// outside a row's own are masked out of its sums. scratch: chunk_scratch_bytes(G).
 INLINE void chunk_partials_t(const attn_t *a, const float *q, int64_t q_stride, int R,
-                             const int *n_row, const int32_t *table, int64_t g, int64_t j0,
-                             float *const *parts, void *scratch, const next_t *next,
+                             const int *b_row, const int *n_row, const int32_t *table,
+                             int64_t g, int64_t j0, float *const *parts, void *scratch, const next_t *next,
                              const int BF) {
     const int G = a->H / a->KVH, D = a->D, M = R * G, n = n_row[R - 1];
     const void **kp = (const void **)scratch, **vp = kp + CHUNK;
@@ -241,15 +245,15 @@ INLINE void chunk_partials_t(const attn_t *a, const float *q, int64_t q_stride, 
     // over its own keys the softmax, then the values.
     chunk_scores(kp, qs, ps, M, n, D, _mm256_set1_ps(a->scale), &nl, BF);
     for (int m = 0; m < M; m++)
-        softmax_query(ps[m], n_row[m / G], n, parts[m / G] + (m % G) * (D + 2));
+        softmax_query(ps[m], b_row[m / G], n_row[m / G], n, parts[m / G] + (m % G) * (D + 2));
     chunk_values(vp, ps, os, n_row, G, M, D, &nl, BF);
 }
 
 static void chunk_partials(const attn_t *a, const float *q, int64_t q_stride, int R,
-                           const int *n_row, const int32_t *table, int64_t g, int64_t j0,
-                           float *const *parts, void *scratch, const next_t *next) {
-    if (a->bf16) chunk_partials_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, next, 1);
-    else chunk_partials_t(a, q, q_stride, R, n_row, table, g, j0, parts, scratch, next, 0);
+                           const int *b_row, const int *n_row, const int32_t *table, int64_t g,
+                           int64_t j0, float *const *parts, void *scratch, const next_t *next) {
+    if (a->bf16) chunk_partials_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, next, 1);
+    else chunk_partials_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, next, 0);
 }
 
 #endif

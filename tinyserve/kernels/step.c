@@ -12,7 +12,8 @@
 // The bracketed steps are other families' (models/qwen3.py's head norms, granite.py's
 // residual multiplier, gemma3.py's norms of the attention and MLP outputs); act_and_mul is
 // SiLU's, or Gemma 3's tanh GELU (gelu_tanh_and_mul below); a NoPE layer (smollm3.py)
-// rotates by the step's identity tables, a Gemma 3 local layer by its second table.
+// rotates by the step's identity tables, a Gemma 3 local layer by its second table; a layer
+// with a sliding window passes it to the attention.
 // Rows [0, nd) are decode rows (linear layers with int8_decode send them to qgemm).
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
@@ -30,7 +31,7 @@ typedef void (*rope_fn)(float *, const float *, const float *, float *, float *,
                         int64_t, int, int, int, int);
 typedef int (*attn_fn)(const float *, int64_t, const float *, const float *, int, int, int, int,
                        const int64_t *, const int64_t *, const int64_t *, int64_t,
-                       const int32_t *, int64_t, float, float *, int);
+                       const int32_t *, int64_t, float, int64_t, float *, int);
 
 #define KIND_MASK 15  // a weight kind without gemm_bf16.h's BF16_ACT (16): what qgemm takes
 
@@ -50,6 +51,7 @@ typedef struct {
     const float *q_norm, *k_norm;  // per-head q/k RMSNorm weights [D], or NULL (Qwen3)
     const float *attn_out_norm, *mlp_out_norm;  // norms of the branch outputs, or NULL (Gemma 3)
     int64_t rope;  // the step's table: 0 the identity (a NoPE layer), 1 the table, 2 the second
+    int64_t window;  // the layer's sliding window (0: none; Gemma 3's local layers, Mistral)
 } layer_t;
 
 typedef struct {
@@ -158,7 +160,8 @@ int forward_layers(const model_t *mo, const step_t *st, float *x, float *residua
         rc |= mo->paged_attention(qkv, QKV, st->k_caches[l], st->v_caches[l],
                                   (int)mo->block_size, (int)NH, (int)KVH, (int)D,
                                   st->query_start_loc, st->seq_lens, st->seq_of_token, M,
-                                  st->block_tables, st->max_blocks, mo->scale, o, nt);
+                                  st->block_tables, st->max_blocks, mo->scale, L->window, o,
+                                  nt);
         rc |= linear(mo, &L->o, o, x, M, nd, nt);
         scale(x, M * H, mo->branch_scale);
         out_norm(mo, L->attn_out_norm, x, t, M, nt);

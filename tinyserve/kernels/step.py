@@ -30,7 +30,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("q_norm", P), ("k_norm", P),
-                ("attn_out_norm", P), ("mlp_out_norm", P), ("rope", I64)]  # fmt: skip
+                ("attn_out_norm", P), ("mlp_out_norm", P), ("rope", I64),
+                ("window", I64)]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -191,7 +192,8 @@ def build_plan(model) -> StepPlan | None:
         heads = [None if m is None else m.weight for m in (q_norm, k_norm)]
         weights = [None if n is None else n.weight for n in layer.step_norms()]
         layers.append(_Layer(*map(_ptr, weights[:2]), *lins, *map(_ptr, heads),
-                             *map(_ptr, weights[2:]), attn.step_table))  # fmt: skip
+                             *map(_ptr, weights[2:]), attn.step_table,
+                             attn.window or 0))  # fmt: skip
         keep += [n.weight for n in norms] + heads
         keep += [(m.method.kernel, m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip

@@ -94,7 +94,7 @@ def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 def _decode_kernel(
     Q, K, V, Out, SeqLens, Tables,
-    scale,
+    scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
     KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -112,9 +112,11 @@ def _decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    # Keys seq_len - window .. seq_len - 1 (no sliding window: window = 2**30, so from 0).
+    lo = tl.maximum(seq_len - window, 0)
+    for start in range((lo // BLOCK_N) * BLOCK_N, seq_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        p_ok = pos < seq_len
+        p_ok = (pos < seq_len) & (pos >= lo)
         block = tl.load(Tables + seq * stride_tb + pos // BS, mask=p_ok, other=0)
         slot = block.to(tl.int64) * BS + pos % BS
         kv_off = (slot * KVH + kvh)[:, None] * D + d[None, :]
@@ -158,9 +160,11 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in place
     block_n: int = 32,
+    window: int | None = None,  # a sliding window: the last ``window`` positions only
 ) -> torch.Tensor:
-    """Each sequence's one query attends over its whole context (positions < seq_len), read
-    through its block table. The step's K/V must already be in the cache."""
+    """Each sequence's one query attends over its whole context (positions < seq_len), or
+    its last ``window`` positions, read through its block table. The step's K/V must
+    already be in the cache."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
@@ -174,7 +178,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     _kernel(q.device.type == "cpu")[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, seq_lens, block_tables,
-        scale,
+        scale, window or (1 << 30),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         KVH=num_kv_heads, G=group, G_PAD=_pow2(group),
         D=head_dim, D_PAD=_pow2(head_dim), BS=block_size, BLOCK_N=block_n,

@@ -5,7 +5,11 @@ A step's tokens are flat (ragged, no padding between requests). Each layer:
 
 1. writes the step's new K/V through ``slot_mapping`` (slot = block_id * block_size + offset);
 2. reads each sequence's whole context (cached prefix + this step's tokens) through its
-   block table and attends causally.
+   block table and attends causally — or, in a layer with a sliding window W, over each
+   query's last W positions (its own included; transformers' ``sliding_window`` convention).
+   The window is the layer's (``window=`` to :func:`paged_attention`); the kernels take it as
+   an argument, the torch path's masks for the model's one window are built once per step
+   beside the full-attention ones (``AttentionMetadata.window_groups``).
 
 Two implementations:
 
@@ -82,6 +86,10 @@ class AttentionMetadata:
     # The step's first rows that are generated tokens (decode), for the linear layers'
     # int8-activation path (layers/linear.py): the first num_decode_seqs sequences' tokens.
     num_decode_tokens: int = 0
+    # The torch path's rectangles for the layers with a sliding window of ``window`` keys
+    # (masks cut to each query's last ``window`` positions); None: none were built.
+    window: int | None = None
+    window_groups: list[AttentionGroup] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -99,13 +107,17 @@ class AttentionMetadata:
         use_kernel: bool = False,
         num_decode_seqs: int = 0,
         decode_backend: str | None = None,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """``query_lens[i]`` new tokens of sequence i (flat, in order) at positions
         ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``. ``use_kernel``: build the
         block-table kernel's inputs instead of the torch path's masks. The first
         ``num_decode_seqs`` sequences are decoding (their new tokens were generated).
         ``decode_backend="triton"``: the torch path's single-token rows go to the Triton
-        block-table kernel instead of a masked rectangle."""
+        block-table kernel instead of a masked rectangle. ``sliding_window``: the model's
+        window, whose masks the torch path builds too (the kernels need nothing more)."""
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
         query_start_loc = _query_start_loc(
             query_lens, seq_lens, block_tables, block_size, num_decode_seqs
         )
@@ -121,29 +133,25 @@ class AttentionMetadata:
             )
             return cls(steps.slot_mapping, query_start_loc, list(seq_lens), block_tables,
                        block_size, [], kernel, num_decode_tokens)  # fmt: skip
-        groups = [
-            _build_group(
-                steps.q_lens[idx],
-                steps.s_lens[idx],
-                steps.starts[idx],
-                steps.tables[idx],
-                block_size,
-                device,
-                dtype,
-                max(query_lens[i] for i in rows),
-                max(seq_lens[i] for i in rows),
-                decode_backend,
-            )
-            for rows, idx in _decode_then_prefill_rows(query_lens)
-        ]
+        def groups(window: int | None) -> list[AttentionGroup]:
+            return [
+                _build_group(steps.q_lens[idx], steps.s_lens[idx], steps.starts[idx],
+                             steps.tables[idx], block_size, device, dtype,
+                             max(query_lens[i] for i in rows), max(seq_lens[i] for i in rows),
+                             decode_backend, window)  # fmt: skip
+                for rows, idx in _decode_then_prefill_rows(query_lens)
+            ]
+
         return cls(
             steps.slot_mapping.to(device),
             query_start_loc,
             list(seq_lens),
             block_tables,
             block_size,
-            groups,
+            groups(None),
             num_decode_tokens=num_decode_tokens,
+            window=sliding_window,
+            window_groups=None if sliding_window is None else groups(sliding_window),
         )
 
     @classmethod
@@ -241,6 +249,7 @@ def _build_group(
     max_q: int,  # the group's longest query and context, from the step's lists (no tensor
     max_s: int,  # read: on a GPU each would wait for the device)
     decode_backend: str | None = None,
+    window: int | None = None,  # mask each query to its last ``window`` keys
 ) -> AttentionGroup:
     max_blocks = -(-max_s // block_size)
     if max_q == 1 and decode_backend is not None:  # by the block table: no rectangle, no mask
@@ -265,6 +274,8 @@ def _build_group(
     visible = (k_pos[None, None, :] <= abs_pos[:, :, None]) & (
         k_pos[None, None, :] < s_lens[:, None, None]
     )
+    if window is not None:  # never empties a row: a query's own key is always visible
+        visible &= k_pos[None, None, :] > abs_pos[:, :, None] - window
     return AttentionGroup(
         token_index=token_index.to(device),
         out_rows=(starts[seq] + j).to(device),
@@ -297,23 +308,26 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     tiles: bool = False,  # the kernel on AMX tiles (kernels/attention.py paged_attention)
+    window: int | None = None,  # the layer's sliding window (None: full attention)
 ) -> torch.Tensor:
     """Production path: the block-table kernel, or one SDPA call per group; no loop over
     sequences either way. The step's K/V must already be in the cache (write_kv_cache)."""
     if meta.kernel is not None:
         m = meta.kernel
         return kernel_attention(q, k_cache, v_cache, m.query_start_loc, m.seq_lens,
-                                m.seq_of_token, m.block_tables, scale, tiles=tiles)  # fmt: skip
+                                m.seq_of_token, m.block_tables, scale, tiles=tiles,
+                                window=window)  # fmt: skip
     if meta.groups and meta.groups[0].token_index is None:  # static_decode: the whole batch
-        return decode_attention(q, k_cache, v_cache, meta.groups[0], scale)
+        return decode_attention(q, k_cache, v_cache, meta.groups[0], scale, window)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # index_select rather than advanced indexing: same result, but aten::index is ~100x
     # slower on CPU when its worker threads compete with other processes.
-    for g in meta.groups:
+    for g in _groups_for(meta, window):
         if g.decode_backend is not None:
-            og = decode_attention(q.index_select(0, g.token_index), k_cache, v_cache, g, scale)
+            og = decode_attention(q.index_select(0, g.token_index), k_cache, v_cache, g, scale,
+                                  window)  # fmt: skip
             out.index_copy_(0, g.out_rows, og)
             continue
         n, max_blocks = g.block_tables.shape
@@ -335,6 +349,16 @@ def paged_attention(
     return out
 
 
+def _groups_for(meta: AttentionMetadata, window: int | None) -> list[AttentionGroup]:
+    """The torch path's rectangles for a layer with this window (None: full attention)."""
+    if window is None:
+        return meta.groups
+    if meta.window != window or meta.window_groups is None:
+        raise ValueError(f"attention metadata built for sliding_window={meta.window}, "
+                         f"a layer asks for {window}")  # fmt: skip
+    return meta.window_groups
+
+
 def reference_paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,
@@ -343,8 +367,10 @@ def reference_paged_attention(
     seq_lens: list[int],
     block_tables: list[list[int]],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Per-sequence dense causal attention, computed in float64. Tests only."""
+    """Per-sequence dense causal attention, computed in float64; with a ``window``, query at
+    position p sees keys p - window + 1 .. p only. Tests only."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
@@ -361,6 +387,8 @@ def reference_paged_attention(
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         q_abs = torch.arange(sl - ql, sl)[:, None]
         allowed = torch.arange(sl)[None, :] <= q_abs  # [ql, sl]
+        if window is not None:
+            allowed &= torch.arange(sl)[None, :] > q_abs - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = scores.softmax(-1)
         out[start : start + ql] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

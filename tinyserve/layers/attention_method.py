@@ -34,13 +34,15 @@ class AttentionMethod:
     tiles: bool = False  # bf16 on AMX tiles (KernelAttention only)
 
     def metadata(
-        self, query_lens, seq_lens, block_tables, block_size, device, dtype, num_decode_seqs
+        self, query_lens, seq_lens, block_tables, block_size, device, dtype, num_decode_seqs,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
-        """The step's metadata in the form this method reads."""
+        """The step's metadata in the form this method reads (``sliding_window``: the
+        model's, ModelConfig.sliding_window: the torch path's masks for it too)."""
         return AttentionMetadata.build(
             query_lens, seq_lens, block_tables, block_size, device, dtype,
             use_kernel=self.block_table_inputs, num_decode_seqs=num_decode_seqs,
-            decode_backend=self.decode_backend,
+            decode_backend=self.decode_backend, sliding_window=sliding_window,
         )  # fmt: skip
 
     def attend(self, attn, qkv: torch.Tensor, cos_sin, kv_cache, meta) -> torch.Tensor:
@@ -51,7 +53,8 @@ class AttentionMethod:
         qk = apply_rotary(qk.view(-1, h + kv, d), *cos_sin)
         k_cache, v_cache = kv_cache
         write_kv_cache(qk[:, h:], v.view(-1, kv, d), k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(qk[:, :h], k_cache, v_cache, meta, attn.scale)
+        return paged_attention(qk[:, :h], k_cache, v_cache, meta, attn.scale,
+                               window=attn.window)  # fmt: skip
 
     def head_norm(self, attn, qkv: torch.Tensor, q_norm, k_norm) -> None:
         """Qwen3's RMSNorm over each head of q (``q_norm``) and of k (``k_norm``), in place."""
@@ -83,7 +86,8 @@ class KernelAttention(AttentionMethod):
         ops.rope_and_cache(qkv, cos_sin[0], cos_sin[1], k_cache, v_cache, meta.slot_mapping,
                            h, kv)  # fmt: skip
         q = qkv.view(-1, h + 2 * kv, attn.head_dim)
-        return paged_attention(q[:, :h], k_cache, v_cache, meta, attn.scale, self.tiles)
+        return paged_attention(q[:, :h], k_cache, v_cache, meta, attn.scale, self.tiles,
+                               attn.window)  # fmt: skip
 
     def head_norm(self, attn, qkv: torch.Tensor, q_norm, k_norm) -> None:
         """The same in one pass (kernels/ops.c head_norm; the fused step calls it too)."""

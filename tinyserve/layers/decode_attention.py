@@ -16,14 +16,17 @@ def decode_attention(
     v_cache: torch.Tensor,
     g,  # an AttentionGroup with decode_backend set
     scale: float,
+    window: int | None = None,  # the layer's sliding window: each row's last keys only
 ) -> torch.Tensor:
     """A decode group read through its block table: the Triton kernel, or the masked torch
     form where Triton is absent."""
     if g.decode_backend == "triton":
         from tinyserve.kernels.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, g.seq_lens, g.block_tables, scale)
-    return masked_decode_attention(q, k_cache, v_cache, g.seq_lens, g.block_tables, scale)
+        return paged_decode_attention(q, k_cache, v_cache, g.seq_lens, g.block_tables, scale,
+                                      window=window)  # fmt: skip
+    return masked_decode_attention(q, k_cache, v_cache, g.seq_lens, g.block_tables, scale,
+                                   window)  # fmt: skip
 
 
 def masked_decode_attention(
@@ -33,8 +36,10 @@ def masked_decode_attention(
     seq_lens: torch.Tensor,  # [n] int32
     block_tables: torch.Tensor,  # [n, max_blocks] int32
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence over its first ``seq_lens[i]`` positions, with fixed shapes:
+    """One query per sequence over its first ``seq_lens[i]`` positions (with a ``window``,
+    the last ``window`` of them), with fixed shapes:
     every table's blocks are gathered and the mask is built on the device from the lengths
     (no host read), so the call can be captured in a CUDA graph. Costs the table's full
     width for every row: the fallback for a device without Triton."""
@@ -43,7 +48,10 @@ def masked_decode_attention(
     flat = block_tables.reshape(-1).to(torch.int64)
     k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)
     v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim)
-    visible = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    visible = k_pos < seq_lens[:, None]
+    if window is not None:
+        visible &= k_pos >= seq_lens[:, None] - window
     mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
     mask = mask.masked_fill(~visible, float("-inf"))[:, None, None, :]  # [n, 1, 1, width]
     o = F.scaled_dot_product_attention(

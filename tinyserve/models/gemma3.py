@@ -12,9 +12,9 @@ layer with
   gelu_tanh_and_mul, which the Python loop calls too; elementwise, so batch-invariant);
 - local layers (five of every six) with their own RoPE base (rope_local_theta, unscaled) and
   a sliding window, interleaved with global layers (rope_theta and its scaling): two RoPE
-  tables per step, each layer taking its own through ``LlamaAttention.rotary``. The served
-  context is capped at the window as for Mistral (worker/executor.py), where full attention
-  is the windowed one exactly.
+  tables per step, each layer taking its own through ``LlamaAttention.rotary``; the local
+  layers attend over their window (``LlamaAttention.window`` from ModelConfig.layer_window),
+  the global ones over the whole context, which is served to max_position_embeddings.
 
 The one-call fused step (kernels/step.c) reads all of it as data: each layer's four norms
 (``step_norms``), its table (``step_table``) and the MLP's ``activation``.

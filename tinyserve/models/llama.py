@@ -62,6 +62,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        # The last ``window`` keys only (None: all of them): Mistral's every layer, Gemma 3's
+        # local ones (ModelConfig.layer_window); what the attention methods and step.c read.
+        self.window = config.layer_window(layer_idx)
         hidden = config.hidden_size
         self.qkv_proj = QKVParallelLinear(
             hidden,

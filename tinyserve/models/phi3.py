@@ -17,8 +17,8 @@ kernels/step.c, the CUDA path) runs the family unchanged:
   served length (--max-model-len, else max_position_embeddings) exceeds
   ``original_max_position_embeddings``, one table for every position.
 
-A ``sliding_window`` (Phi-3-mini-4k: 2047) caps the served context, as Mistral's does
-(worker/executor.py ``resolve_max_model_len``).
+A ``sliding_window`` (Phi-3-mini-4k: 2047) windows every layer's attention, as Mistral's
+does (LlamaAttention.window; layers/attention.py); the context is not capped at it.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ _ARCH = {
     "phi3": ("Phi3Config", {"tie_word_embeddings": False, "partial_rotary_factor": 0.75,
                             "sliding_window": None, "pad_token_id": None, "bos_token_id": None,
                             "eos_token_id": None}),
-    # Gemma 3 4B's RoPE (global 1e6 scaled linearly by 8, local 1e4), a 64-position window
-    # (served up to it), layer 1 of 3 global, query_pre_attn_scalar apart from head_dim 32.
+    # Gemma 3 4B's RoPE (global 1e6 scaled linearly by 8, local 1e4), a 64-position window,
+    # layer 1 of 3 global, query_pre_attn_scalar apart from head_dim 32.
     "gemma3": ("Gemma3TextConfig", {"tie_word_embeddings": True, "head_dim": 32,
                                     "query_pre_attn_scalar": 24, "sliding_window": 64,
                                     "layer_types": ["sliding_attention", "full_attention",

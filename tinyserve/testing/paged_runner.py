@@ -56,7 +56,7 @@ class PagedRunner:
             self.num_computed[seq] = end
         meta = self.model.attention_method.metadata(
             query_lens, seq_lens, tables, self.block_size, self.device, self.model.dtype,
-            num_decode,
+            num_decode, self.model.config.sliding_window,
         )  # fmt: skip
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),

@@ -47,10 +47,16 @@ def hf_family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported (no served family has them)")
-    window = cfg.get("sliding_window")
-    windowed = "sliding_attention" in (cfg.get("layer_types") or ["sliding_attention"])
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
+        # Qwen2's rule before transformers wrote layer_types: windowed from that layer on.
+        types = ["sliding_attention" if i >= int(cfg["max_window_layers"]) else "full_attention"
+                 for i in range(int(cfg["num_hidden_layers"]))]  # fmt: skip
+    windowed = "sliding_attention" in (types or ["sliding_attention"])
     if window is not None and cfg.get("use_sliding_window", True) and windowed:
         out["sliding_window"] = int(window)
+        if types and arch != "Gemma3ForCausalLM":  # (Gemma 3's: local_layers)
+            out["window_layers"] = tuple(int(t == "sliding_attention") for t in types)
     if cfg.get("no_rope_layers") is not None:
         out["no_rope_layers"] = tuple(int(x) for x in cfg["no_rope_layers"])
     if arch == "Phi3ForCausalLM":

@@ -47,11 +47,9 @@ class ExecutorConfig(Protocol):
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None, capacity: int) -> int:
     """The context window: the request's (checked) or the model's, capped by the KV cache.
-    A model with a sliding window is served within the window: there full attention is the
-    windowed attention exactly (windowed attention through the paged cache is not built)."""
+    A sliding window does not cap it: windowed layers attend over their window through the
+    paged cache (layers/attention.py)."""
     model_max, what = config.max_position_embeddings, "context"
-    if config.sliding_window is not None and config.sliding_window < model_max:
-        model_max, what = config.sliding_window, "sliding window (served up to its length)"
     if requested is not None:
         if requested > model_max:
             raise ValueError(

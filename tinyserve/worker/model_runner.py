@@ -188,7 +188,7 @@ class ModelRunner:
             return graphs.run(len(step.input_ids), staged[:5]), staged[5:]
         meta = self.model.attention_method.metadata(
             step.query_lens, step.seq_lens, step.block_tables, self.block_size, _HOST,
-            self.model.dtype, step.num_decode_seqs,
+            self.model.dtype, step.num_decode_seqs, self.model.config.sliding_window,
         )  # fmt: skip
         ids = torch.tensor(step.input_ids, dtype=torch.int64)
         pos = torch.tensor(step.positions, dtype=torch.int64)

@@ -11,6 +11,13 @@ Ownership:
   free queue for new use; a prefix-cache hit before then takes it back out of the queue.
 - A block is written only by its sole owner: the partly filled tail block is never hashed, so
   only full blocks are ever shared, and full blocks are never written again.
+- With a sliding window on every layer (``sliding_window``), a request's blocks wholly left
+  of its next query's window are released as it moves on (``allocate_slots``, after it has
+  registered them): no later query of the request reads them (layers/attention.py). Their
+  ids stay in its block table, dead, so positions still index it; the kernels and masks
+  never read a dead slot's values into an output. Released, a hashed block stays in the
+  prefix cache like any other until it is reused. With one full-attention layer (Gemma 3's
+  global ones) every block stays needed: nothing is released early.
 - Hashes are registered when ``allocate_slots`` makes a block full, before the step that
   writes its K/V runs: a request scheduled in the same step may hit it. So the runner must
   write every new K/V of a step before attention reads (per layer), and must run every
@@ -63,11 +70,15 @@ class _HashChain:
 class KVCacheManager:
     """A fixed pool of ``num_blocks`` blocks, a free queue in LRU order and a prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):  # fmt: skip
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window  # every layer's (None: some layer sees all)
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -77,6 +88,7 @@ class KVCacheManager:
         self.cached_block_hash_to_block: dict[int, int] = {}
         self.req_to_blocks: dict[str, list[int]] = {}
         self._req_to_chain: dict[str, _HashChain] = {}
+        self._num_dead: dict[str, int] = {}  # leading table entries released (left of window)
         self._content_ids = itertools.count()
         # vLLM's prefix-cache metrics: tokens looked up / tokens found; and the same in blocks.
         self.prefix_cache_queries = 0
@@ -102,7 +114,12 @@ class KVCacheManager:
         return list(self._free_queue)
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (its first ``num_dead_blocks`` entries released)."""
         return list(self.req_to_blocks.get(request_id, ()))
+
+    def num_dead_blocks(self, request_id: str) -> int:
+        """Leading entries of the request's table released as left of its window."""
+        return self._num_dead.get(request_id, 0)
 
     def pool_map(self) -> str:
         """One character per block (the live engine view): '.' free and empty, 'c' free but
@@ -112,8 +129,8 @@ class KVCacheManager:
         for block_id in self.cached_block_hash_to_block.values():
             chars[block_id] = 99  # 'c'; a cached block someone holds is overwritten below
         blocks = self.blocks
-        for table in self.req_to_blocks.values():
-            for block_id in table:
+        for request_id, table in self.req_to_blocks.items():
+            for block_id in table[self.num_dead_blocks(request_id) :]:
                 chars[block_id] = 115 if blocks[block_id].ref_count > 1 else 117  # 's' / 'u'
         return chars.decode("ascii")
 
@@ -215,6 +232,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             num_full = min(num_required, request.num_tokens) // self.block_size
             self._register_full_blocks(request, table, chain, num_full)
+        self._release_left_of_window(request, table)
         return list(table)
 
     def free(self, request_id: str) -> None:
@@ -222,7 +240,8 @@ class KVCacheManager:
         its head (the head is the part other requests are likeliest to share). Idempotent."""
         table = self.req_to_blocks.pop(request_id, None)
         self._req_to_chain.pop(request_id, None)
-        for block_id in reversed(table or ()):
+        num_dead = self._num_dead.pop(request_id, 0)
+        for block_id in reversed((table or [])[num_dead:]):
             self._release(block_id)
 
     def trim(self, request: Request) -> None:
@@ -237,6 +256,19 @@ class KVCacheManager:
             self._release(table.pop())
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _release_left_of_window(self, request: Request, table: list[int]) -> None:
+        """Release the blocks wholly left of the window of the request's next query (at
+        ``num_computed_tokens``: later queries' windows start later still). Speculation only
+        moves num_computed_tokens back over this step's rejected drafts, never below."""
+        if self.sliding_window is None:
+            return
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        dead = min(max(0, first_needed) // self.block_size, len(table))
+        rid = request.request_id
+        for i in range(self._num_dead.get(rid, 0), dead):
+            self._release(table[i])
+            self._num_dead[rid] = i + 1
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; a block nobody holds joins the free queue's tail."""

@@ -1,0 +1,161 @@
+"""Blocks left of the sliding window are released (issue 41 deliver 2): the KV-cache manager
+with every layer's window releases a request's blocks once no later query of it can read
+them, keeps them in the prefix cache, and releases each once; the engine serving a tiny
+Mistral whose every layer has a 6-position window gives transformers' greedy tokens past
+the window with its blocks released as it goes, the same tokens with the prefix cache (hits
+past the window) and without, and without releasing; a model with a full-attention layer
+(Gemma 3) releases nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine import assert_no_leaks, greedy, random_prompt, run_alone, tiny_engine
+from tinyserve.engine.kv_cache_manager import KVCacheManager
+from tinyserve.request import Request
+from tinyserve.sampling_params import SamplingParams
+
+WINDOW = 6
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=32), max_model_len=128)
+
+
+def _step(kv: KVCacheManager, request: Request, num_new: int, hits=None) -> list[int]:
+    table = kv.allocate_slots(request, num_new, hits)
+    assert table is not None
+    request.num_computed_tokens += num_new
+    return table
+
+
+def test_blocks_left_of_every_later_window_are_released_once():
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=WINDOW)
+    a = _request("a", list(range(20)))
+    table = _step(kv, a, 20)  # the prompt's queries see from position 0: all kept
+    assert kv.num_dead_blocks("a") == 0 and kv.num_free_blocks == 11
+    a.append_output_token(20)
+    table = _step(kv, a, 1)  # query 20 sees 15 .. 20: blocks 0-2 (0 .. 11) are left of it
+    assert kv.num_dead_blocks("a") == 3 and kv.num_free_blocks == 16 - 3
+    assert [kv.blocks[b].ref_count for b in table] == [0, 0, 0, 1, 1, 1]
+    assert kv.pool_map().count("u") == 3 and kv.get_block_ids("a") == table
+    for t in range(21, 26):  # queries 21 .. 25: at 25 (sees 20 ..) blocks 3-4 go too
+        a.append_output_token(t)
+        table = _step(kv, a, 1)
+    assert kv.num_dead_blocks("a") == 5 and len(table) == 7
+    assert kv.num_free_blocks == 16 - 2  # blocks 5, 6 (positions 20-27) held
+    kv.free("a")
+    assert kv.num_free_blocks == 16 and all(b.ref_count == 0 for b in kv.blocks)
+    assert kv.num_dead_blocks("a") == 0
+
+
+def test_released_blocks_stay_in_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=WINDOW)
+    a = _request("a", list(range(20)))
+    _step(kv, a, 20)
+    a.append_output_token(20)
+    _step(kv, a, 1)
+    assert kv.num_dead_blocks("a") == 3
+    b = _request("b", list(range(16)) + [99, 98])
+    hits, num_hit_tokens = kv.get_computed_blocks(b)  # 3 released blocks and a held one
+    assert num_hit_tokens == 16 and hits == kv.get_block_ids("a")[:4]
+    b.num_computed_tokens = num_hit_tokens
+    _step(kv, b, 2, hits)  # takes the hits, then releases those left of query 16's window
+    assert kv.num_dead_blocks("b") == 2
+    assert [kv.blocks[h].ref_count for h in hits] == [0, 0, 1, 2]
+    kv.free("a"), kv.free("b")
+    assert kv.num_free_blocks == 16 and all(b.ref_count == 0 for b in kv.blocks)
+
+
+def test_without_a_window_on_every_layer_nothing_is_released():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    _step(kv, _request("a", list(range(20))), 20)
+    assert kv.num_dead_blocks("a") == 0 and kv.num_free_blocks == 11
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        KVCacheManager(num_blocks=4, block_size=4, sliding_window=0)
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    from tinyserve.testing.checkpoints import build_hf, save_hf, tiny_config
+
+    hf = build_hf(tiny_config("mistral", sliding_window=WINDOW, initializer_range=0.5))
+    return str(save_hf(hf, tmp_path_factory.mktemp("mistral_window"))), hf
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    from tinyserve.testing.checkpoints import hf_logits
+
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(hf_logits(hf, prompt + out)[-1].argmax()))
+    return out
+
+
+def _held_blocks_each_step(engine, rid: str) -> list[int]:
+    """Records the blocks ``rid`` holds after each step, and then fills every free block's
+    K/V with random values: a block released while a query still reads it would change
+    the tokens (prefix caching off: a free block is never read again)."""
+    import torch
+
+    kv, seen = engine.core.kv_cache_manager, []
+    step, gen = engine.step, torch.Generator().manual_seed(0)
+
+    def recording_step():
+        out = step()
+        if rid in kv.req_to_blocks:
+            seen.append(len(kv.get_block_ids(rid)) - kv.num_dead_blocks(rid))
+        free = torch.tensor(kv.free_block_ids, dtype=torch.int64)
+        for cache in (c for pair in engine.executor.runner.kv_caches for c in pair):
+            cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
+        return out
+
+    engine.step = recording_step
+    return seen
+
+
+def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral):
+    path, hf = mistral
+    prompt = random_prompt(30, seed=3)
+    want = _hf_greedy(hf, prompt, 24)
+    engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False)
+    assert engine.core.kv_cache_manager.sliding_window == WINDOW
+    held = _held_blocks_each_step(engine, "r")
+    got = run_alone(engine, [("r", prompt, greedy(24))])["r"].token_ids
+    assert got == want
+    # The prompt's step holds its 8 blocks (its queries see from position 0); after it, of
+    # the 14 blocks 54 positions fill, the window keeps at most 3 (6 keys + the new one).
+    assert held[0] == 8 and max(held[1:]) <= 3 and len(held) == 23  # (the 24th: freed)
+    assert_no_leaks(engine)
+
+
+def test_prefix_cache_hits_past_the_window_give_the_uncached_tokens(mistral):
+    """Requests sharing a 32-token prefix (8 blocks, released as left of the window by the
+    first request but still cached): the hits change no token, nor does releasing."""
+    path, _ = mistral
+    shared = random_prompt(32, seed=4)
+    requests = [(f"r{i}", shared + random_prompt(5, seed=10 + i), greedy(16)) for i in range(3)]
+    outs = {}
+    for caching in (True, False):
+        engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=caching)
+        done = run_alone(engine, requests)
+        outs[caching] = {rid: done[rid].token_ids for rid, _, _ in requests}
+        if caching:
+            assert all(done[f"r{i}"].num_cached_tokens == 32 for i in (1, 2))
+        assert_no_leaks(engine)
+    assert outs[True] == outs[False]
+    engine = tiny_engine(path, num_blocks=64, block_size=4)
+    engine.core.kv_cache_manager.sliding_window = None  # keep every block: the same tokens
+    done = run_alone(engine, requests)
+    assert {rid: done[rid].token_ids for rid, _, _ in requests} == outs[True]
+
+
+def test_a_full_attention_layer_keeps_every_block(tmp_path):
+    from tinyserve.testing.checkpoints import build_hf, save_hf, tiny_config
+
+    path = save_hf(build_hf(tiny_config("gemma3", sliding_window=WINDOW)), tmp_path / "g")
+    engine = tiny_engine(str(path), num_blocks=64, block_size=4)
+    assert engine.core.kv_cache_manager.sliding_window is None

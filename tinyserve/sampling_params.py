@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tinyserve.utils.grammar_size import check_schema, check_spec_text
@@ -32,6 +34,13 @@ class StructuredOutputsParams:
     think_end_id: int | None = None
     think_start_id: int | None = None
     thinking_open: bool = False
+    # A check of the finished answer for what the grammar cannot enforce, where the answer
+    # is not one JSON value (tool calls in a template's format: entrypoints/tool_formats.py):
+    # the answer's text -> None, or why it fails (the request's 400). JSON schemas are checked
+    # by the output processor itself.
+    answer_check: Callable[[str], str | None] | None = dataclasses.field(
+        default=None, compare=False
+    )
 
     def __post_init__(self) -> None:
         modes = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

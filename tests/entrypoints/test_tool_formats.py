@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -24,7 +25,7 @@ from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.chat_template import render_chat
 from tinyserve.entrypoints.llm import LLM
-from tinyserve.entrypoints.tool_formats import MarkedFormat, tool_format
+from tinyserve.entrypoints.tool_formats import MarkedFormat, calls_check, tool_format
 from tinyserve.entrypoints.tool_stream_marked import collect_calls
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyserve.structured.backend import GrammarBackend
@@ -123,6 +124,8 @@ GRAMMAR_CASES = [  # (template, choice, parallel, text, ends with eos, accepted)
     (NAMED, "auto", True, "Checking." + NAMED_CALL, True, True),
     (NAMED, "required", True, NAMED_CALL + '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}', True, True),
     (NAMED, "required", False, NAMED_CALL + NAMED_CALL, False, False),
+    (NAMED, "required", True, NAMED_CALL * 8, True, True),
+    (NAMED, "required", True, NAMED_CALL * 9, False, False),  # at most 8, as the arrays' maxItems
     (NAMED, "required", True, '[TOOL_CALLS]get_time[ARGS]{"tz": "PST"}', False, False),
     (NAMED, "required", True, '[TOOL_CALLS]send_mail[ARGS]{}', False, False),
     (NAMED, "auto", True, "[TOOL_CALLS]get_weather", True, False),
@@ -253,3 +256,38 @@ def test_forced_calls_come_back_as_tool_calls_that_validate(family_server):
                 jsonschema.validate(json.loads(call.function.arguments),
                                     SPECS[call.function.name]["function"]["parameters"])  # fmt: skip
     assert finished, name  # compact JSON: calls end well within max_tokens
+
+
+# uniqueItems is no grammar's: dropped from the call's grammar, checked on the finished call.
+PAIR = {"type": "function", "function": {"name": "pair", "parameters": {
+    "type": "object", "properties": {"xs": {"type": "array", "items": {"const": 1},
+    "minItems": 2, "maxItems": 2, "uniqueItems": True}}, "required": ["xs"]}}}  # fmt: skip
+
+
+def test_calls_check_finds_what_the_grammar_dropped():
+    either = json.loads(json.dumps(PAIR).replace('{"const": 1}', '{"enum": [1, 2]}'))
+    tools = [T.Tool.model_validate(t) for t in (WEATHER, either)]
+    check = calls_check(MISTRAL, tools)
+    assert check('[TOOL_CALLS][{"name": "pair", "arguments": {"xs": [1, 2]}}]') is None
+    why = check('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                '{"name": "pair", "arguments": {"xs": [1, 1]}}]')  # fmt: skip
+    assert "'pair'" in why and "'uniqueItems'" in why
+    assert calls_check(MISTRAL, TOOLS) is None  # nothing dropped: nothing to check
+
+
+def test_a_call_breaking_a_dropped_keyword_is_a_400_streamed_or_not(family_server):
+    """The grammar of PAIR's call allows only ``[1, 1]``: the check after generation fails,
+    so the answer is a 400 naming ``tools`` and the keyword, streamed an error event."""
+    name, server = family_server
+    body = {"model": server.async_engine.info.model_name, "max_tokens": 150, "tools": [PAIR],
+            "seed": 0,
+            "messages": [{"role": "user", "content": "two ones"}], "tool_choice": "required"}  # fmt: skip
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.status_code == 400, (name, r.text)
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "'uniqueItems'" in err["message"], err
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json={**body, "stream": True},
+                      timeout=60) as s:  # fmt: skip
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert errors and "'uniqueItems'" in errors[0]["message"], events[-3:]

@@ -200,15 +200,18 @@ class OutputProcessor:
         or drops (structured/schema_approx.py), validated against the schema as written; an
         invalid one becomes the request's error (a 400 naming the field), never a 200."""
         so = req.sampling_params.structured_outputs
-        if so is None or so.json is None or self.tokenizer is None:
+        if so is None or (so.json is None and so.answer_check is None) or self.tokenizer is None:
             return out
         schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-        if not needs_final_check(schema):
+        if so.answer_check is None and not needs_final_check(schema):
             return out
         ids = req.output_token_ids
         if so.think_end_id is not None and so.think_end_id in ids:
             ids = ids[len(ids) - ids[::-1].index(so.think_end_id) :]  # the answer after </think>
-        why = final_check(schema, self.tokenizer.decode(ids, skip_special_tokens=True))
+        text = self.tokenizer.decode(
+            ids, skip_special_tokens=req.sampling_params.skip_special_tokens
+        )
+        why = so.answer_check(text) if so.answer_check else final_check(schema, text)
         if why is None:
             return out
         return dataclasses.replace(out, finish_reason="error", error=f"{so.field}: {why}",

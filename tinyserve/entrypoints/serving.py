@@ -45,7 +45,7 @@ from tinyserve.entrypoints.streaming import (
     until_disconnect,
     usage_info,
 )
-from tinyserve.entrypoints.tool_formats import tool_format
+from tinyserve.entrypoints.tool_formats import calls_check, tool_format
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
 from tinyserve.outputs import StepOutput, Usage
@@ -273,7 +273,8 @@ class OpenAIServing:
         if fmt is not None:  # the calls in the template's own format (tool_formats.py)
             grammar = fmt.grammar(tools, tool_choice, parallel_tool_calls,
                                   self.open_tool_arguments)  # fmt: skip
-            return StructuredOutputsParams(grammar=grammar, field="tools")
+            check = calls_check(fmt, tools, self.open_tool_arguments)
+            return StructuredOutputsParams(grammar=grammar, field="tools", answer_check=check)
         schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls,
                                    self.open_tool_arguments)  # fmt: skip
         return StructuredOutputsParams(json=schema, field="tools")

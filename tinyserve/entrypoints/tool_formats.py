@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.tool_stream import HermesStream
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, NamedArgsStream, collect_calls
+from tinyserve.structured.schema_approx import final_check, needs_final_check
 from tinyserve.structured.schema_fixes import fix_schema
 
 
@@ -99,7 +100,9 @@ class MarkedFormat:
             for i, t in enumerate(tools)
         ]  # fmt: skip
         lines.append("call: " + " | ".join(f"call{i}" for i in range(len(tools))))
-        calls = f"call ({mark} call)*" if many else "call"
+        calls = "call"  # then at most MAX_PARALLEL_CALLS - 1 more, as the arrays' maxItems
+        for _ in range(T.MAX_PARALLEL_CALLS - 1 if many else 0):
+            calls = f"call ({mark} {calls})?"
         if auto:
             lines += [f"start: TEXT | head {calls}", f"head[lazy]: TEXT {mark}",
                       "TEXT: /(?s:.*)/"]  # fmt: skip
@@ -176,6 +179,26 @@ ToolFormat = MarkedFormat | HermesFormat
 def _lark_literal(text: str, token_id: int | None) -> str:
     """A marker in llguidance's Lark: its special token by id, else the text."""
     return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
+def calls_check(fmt: ToolFormat, tools: list[T.Tool], open_args: bool = False):
+    """The check of a finished answer's calls for the schema keywords their grammar narrows
+    or drops (structured/schema_approx.py), or None when no tool's parameters use one; the
+    envelope's JSON schema is checked by the output processor itself."""
+    schemas = {t.function.name: json.dumps(T.parameters(t, open_args)) for t in tools}
+    checked = {name: text for name, text in schemas.items() if needs_final_check(text)}
+    if not checked:
+        return None
+
+    def check(answer: str) -> str | None:
+        for call in fmt.parse(answer)[1]:
+            schema = checked.get(call.function.name)
+            why = schema and final_check(schema, call.function.arguments)
+            if why:
+                return f"the call of {call.function.name!r}: {why}"
+        return None
+
+    return check
 
 
 def special_id(tokenizer, marker: str) -> int | None:

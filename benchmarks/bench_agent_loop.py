@@ -119,7 +119,8 @@ def run_session(base_url: str, s: dict, turns: int) -> dict:
             t = time.perf_counter()
             r = c.post("/v1/chat/completions", json=body)
             seconds += time.perf_counter() - t
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"{base_url} turn {turn}: {r.status_code} {r.text}")
             data = r.json()
             msg = data["choices"][0]["message"]
             tokens += data["usage"]["completion_tokens"]
@@ -171,14 +172,14 @@ def main() -> int:
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench_agent_"))
     common = ["--max-num-seqs", "32", "--log-level", "warning"]
-    servers = {"off": start_server(common, logs / "off.log"),
-               "on": start_server([*common, "--speculative-config", args.spec], logs / "on.log")}  # fmt: skip
+    modes = {"off": common, "on": [*common, "--speculative-config", args.spec]}
     if args.ngram:
-        servers["ngram"] = start_server(
-            [*common, "--speculative-config", NGRAM], logs / "ngram.log"
-        )
+        modes["ngram"] = [*common, "--speculative-config", NGRAM]
+    servers = {}
     rng, cells = random.Random(0), []
     try:
+        for mode, flags in modes.items():
+            servers[mode] = start_server(flags, logs / f"{mode}.log")
         warm = [session(rng)]
         for srv in servers.values():  # compile, first steps measured
             run_cell(srv.base_url, warm, 1, 1)

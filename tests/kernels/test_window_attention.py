@@ -33,11 +33,15 @@ def _reference(q, kc, vc, tables, dim, window, query_lens=QUERY_LENS, seq_lens=S
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 2, 16, 4),
                                                            (8, 1, 128, 8)])  # fmt: skip
-def test_the_kernel_matches_the_reference_at_every_isa_level(heads, kv_heads, dim, block_size):
+def test_the_kernel_matches_the_reference_at_every_isa_level(heads, kv_heads, dim, block_size,
+                                                             kv_dtype):  # fmt: skip
+    """On a float32 and a bf16 cache (paged_attention_bf16: the rounded values exactly)."""
     q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, block_size, QUERY_LENS,
                                           SEQ_LENS, seed=dim)  # fmt: skip
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     libs = [attention_kernel.typed(ctypes.CDLL(str(build.built("attention", lv))))
             for lv in build.usable_levels()]  # fmt: skip
     meta = AttentionMetadata.build(QUERY_LENS, SEQ_LENS, tables, block_size, use_kernel=True)
@@ -46,7 +50,8 @@ def test_the_kernel_matches_the_reference_at_every_isa_level(heads, kv_heads, di
         outs = [attention_kernel.paged_attention(q, kc, vc, k.query_start_loc, k.seq_lens,
                                                  k.seq_of_token, k.block_tables, dim**-0.5,
                                                  lib=lib, window=window) for lib in libs]  # fmt: skip
-        assert (outs[0] - _reference(q, kc, vc, tables, dim, window)).abs().max() < 1e-5
+        want = _reference(q, kc.float(), vc.float(), tables, dim, window)
+        assert (outs[0] - want).abs().max() < 1e-5
         for out in outs[1:]:
             assert torch.equal(out, outs[0]), window
     full = paged_attention(q, kc, vc, meta, dim**-0.5)

@@ -96,16 +96,17 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def _held_blocks_each_step(engine, rid: str) -> list[int]:
-    """Records the blocks ``rid`` holds after each step, and then fills every free block's
-    K/V with random values: a block released while a query still reads it would change
-    the tokens (prefix caching off: a free block is never read again)."""
+    """Records the blocks ``rid`` holds in each step and, once each step is scheduled (its
+    releases done) and before it runs, fills every free block's K/V with random values: a
+    block released while one of the step's queries still reads it would change the tokens
+    (prefix caching off: a free block is never read again)."""
     import torch
 
-    kv, seen = engine.core.kv_cache_manager, []
-    step, gen = engine.step, torch.Generator().manual_seed(0)
+    kv, sched, seen = engine.core.kv_cache_manager, engine.core.scheduler, []
+    schedule, gen = sched.schedule, torch.Generator().manual_seed(0)
 
-    def recording_step():
-        out = step()
+    def scribbling_schedule():
+        out = schedule()
         if rid in kv.req_to_blocks:
             seen.append(len(kv.get_block_ids(rid)) - kv.num_dead_blocks(rid))
         free = torch.tensor(kv.free_block_ids, dtype=torch.int64)
@@ -113,7 +114,7 @@ def _held_blocks_each_step(engine, rid: str) -> list[int]:
             cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
         return out
 
-    engine.step = recording_step
+    sched.schedule = scribbling_schedule
     return seen
 
 
@@ -128,7 +129,7 @@ def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral):
     assert got == want
     # The prompt's step holds its 8 blocks (its queries see from position 0); after it, of
     # the 14 blocks 54 positions fill, the window keeps at most 3 (6 keys + the new one).
-    assert held[0] == 8 and max(held[1:]) <= 3 and len(held) == 23  # (the 24th: freed)
+    assert held[0] == 8 and max(held[1:]) <= 3 and len(held) == 24
     assert_no_leaks(engine)
 
 
@@ -159,3 +160,26 @@ def test_a_full_attention_layer_keeps_every_block(tmp_path):
     path = save_hf(build_hf(tiny_config("gemma3", sliding_window=WINDOW)), tmp_path / "g")
     engine = tiny_engine(str(path), num_blocks=64, block_size=4)
     assert engine.core.kv_cache_manager.sliding_window is None
+
+
+def test_speculative_verification_past_the_window_keeps_the_tokens(mistral):
+    """Drafts from a prediction (Predicted Outputs: the plain output, every 9th token
+    wrong) verified as multi-row runs past the window, num_computed_tokens moved back over
+    the rejected ones, blocks released and free blocks scribbled on as above: the tokens of
+    plain decoding, with most drafts accepted."""
+    path, _ = mistral
+    prompts = {f"r{i}": random_prompt(20 + i, seed=20 + i) for i in range(3)}
+    plain = run_alone(tiny_engine(path, num_blocks=64, block_size=4,
+                                  enable_prefix_caching=False),
+                      [(rid, p, greedy(40)) for rid, p in prompts.items()])  # fmt: skip
+    requests = []
+    for rid, prompt in prompts.items():
+        pred = [(t + 1) % 256 if i % 9 == 8 else t for i, t in enumerate(plain[rid].token_ids)]
+        requests.append((rid, prompt, greedy(40, prediction=tuple(pred))))
+    engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False)
+    _held_blocks_each_step(engine, "r0")
+    done = run_alone(engine, requests)
+    for rid in prompts:
+        assert done[rid].token_ids == plain[rid].token_ids, rid
+    assert engine.core.scheduler.proposer.stats.num_accepted_tokens > 60
+    assert_no_leaks(engine)

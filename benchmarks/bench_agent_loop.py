@@ -168,6 +168,8 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,32")
     p.add_argument("--spec", default=SUFFIX)
     p.add_argument("--ngram", action="store_true", help="a third server: the ngram method")
+    p.add_argument("--also", action="append", default=[], metavar="NAME=JSON",
+                   help="one more server with this --speculative-config (repeatable)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/agent_loop.json")
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench_agent_"))
@@ -175,6 +177,9 @@ def main() -> int:
     modes = {"off": common, "on": [*common, "--speculative-config", args.spec]}
     if args.ngram:
         modes["ngram"] = [*common, "--speculative-config", NGRAM]
+    for item in args.also:
+        name, spec = item.split("=", 1)
+        modes[name] = [*common, "--speculative-config", spec]
     servers = {}
     rng, cells = random.Random(0), []
     try:

@@ -33,12 +33,15 @@ def test_path_probability_and_the_limits():
     tokens = [7, 1, 2, 3, 4, 8, 7, 1, 2, 3, 5, 9, 7, 1, 2, 3, 5, 6, 7]
     draft = _own(tokens, k=8, factor=8.0)
     # After "7" (the longest match): "1 2 3" three times, then 5 two of three times, then
-    # 9 or 6 (the latest wins the tie): path probabilities 1, 1, 1, 2/3, 1/3, 1/3.
-    assert draft.tokens == [1, 2, 3, 5, 6, 7]
-    assert draft.score == pytest.approx(3 + 2 / 3 + 1 / 3 + 1 / 3)
+    # 9 or 6 (the latest wins the tie), then 7 and on as the draft itself goes: path
+    # probabilities 1, 1, 1, 2/3, 1/3, 1/3, 1/3, 1/3.
+    assert draft.tokens == [1, 2, 3, 5, 6, 7, 1, 2]
+    assert draft.score == pytest.approx(3 + 2 / 3 + 4 / 3)
     assert _own(tokens, k=8, factor=8.0, min_prob=0.5).tokens == [1, 2, 3, 5]  # min_token_prob
     assert _own(tokens, k=2, factor=8.0).tokens == [1, 2]  # k
     assert _own(tokens, k=8, factor=3.0).tokens == [1, 2, 3]  # max_spec_factor x match length
+    # A repeating text repeats on past the request's end (the latest match is 3 back).
+    assert _own([1, 2, 3, 1, 2, 3], k=7, factor=8.0).tokens == [1, 2, 3, 1, 2, 3, 1]
     assert _own([1, 2, 3], k=4).tokens == []  # nothing occurred before
     assert _own([5], k=4).tokens == []
 

@@ -93,13 +93,12 @@ def speculate(
         return NO_DRAFT
     limit = min(k, max(1, int(max_spec_factor * size)))
     alive = _occurrences(data, array("i", tokens[-size:]).tobytes(), end)
-    n = len(corpus)
     draft: list[int] = []
     score, prob = 0.0, 1.0
     for i in range(limit):
         votes: dict[int, int] = {}
         for s in alive:  # latest first: on a tie the latest occurrence's token wins
-            if s + i < n and (t := corpus[s + i]) != _SEP:
+            if (t := _token(corpus, s + i, draft, own)) != _SEP:
                 votes[t] = votes.get(t, 0) + 1
         if not votes:
             break
@@ -109,7 +108,7 @@ def speculate(
             break
         draft.append(token)
         score += prob
-        alive = [s for s in alive if s + i < n and corpus[s + i] == token]
+        alive = [s for s in alive if _token(corpus, s + i, draft, own) == token]
     return Draft(draft, score)
 
 
@@ -132,6 +131,15 @@ class SuffixParams:
     max_depth: int = 24
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
+
+
+def _token(corpus: Sequence[int], j: int, draft: list[int], own: bool) -> int:
+    """Token ``j`` of the corpus; past the end of the request's own tokens, the draft so far
+    (a continuation that runs into the request's end goes on as the draft predicts it: a
+    repeating text repeats on), else _SEP."""
+    if j < len(corpus):
+        return corpus[j]
+    return draft[j - len(corpus)] if own else _SEP
 
 
 class SuffixCache:

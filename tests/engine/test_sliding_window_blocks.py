@@ -118,11 +118,14 @@ def _held_blocks_each_step(engine, rid: str) -> list[int]:
     return seen
 
 
-def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral):
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral, kernels):
     path, hf = mistral
     prompt = random_prompt(30, seed=3)
     want = _hf_greedy(hf, prompt, 24)
-    engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False)
+    engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False,
+                         cpu_kernels=kernels)  # fmt: skip
+    assert engine.executor.model.attention_backend == ("kernel" if kernels else "torch")
     assert engine.core.kv_cache_manager.sliding_window == WINDOW
     held = _held_blocks_each_step(engine, "r")
     got = run_alone(engine, [("r", prompt, greedy(24))])["r"].token_ids
@@ -176,7 +179,10 @@ def test_speculative_verification_past_the_window_keeps_the_tokens(mistral):
     for rid, prompt in prompts.items():
         pred = [(t + 1) % 256 if i % 9 == 8 else t for i, t in enumerate(plain[rid].token_ids)]
         requests.append((rid, prompt, greedy(40, prediction=tuple(pred))))
-    engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False)
+    # Not adaptive: every step drafts up to 4 (the measured step costs would vary the count).
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False,
+                         speculative_config=spec)  # fmt: skip
     _held_blocks_each_step(engine, "r0")
     done = run_alone(engine, requests)
     for rid in prompts:

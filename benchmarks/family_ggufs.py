@@ -43,9 +43,15 @@ SHAPES = {
                                         num_key_value_heads=1, head_dim=256, rope_theta=1e6,
                                         rope_local_base_freq=10000.0, sliding_window=512,
                                         query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    # Phi-4-mini's width, heads and partial rotary (0.75 of 128), 10 of its 32 layers (~1.1B);
+    # its checkpoint's fused qkv_proj / gate_up_proj, as llama.cpp's attn_qkv / ffn_up.
+    "phi3": ("Phi3Config", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=10,
+                                num_attention_heads=24, num_key_value_heads=8,
+                                partial_rotary_factor=0.75, rope_theta=10000.0,
+                                tie_word_embeddings=True)),
 }  # fmt: skip
-Q4_1_MIX = {p: "Q4_1" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                 "ffn_up", "ffn_down")} | {"token_embd": "Q8_0"}  # fmt: skip
+Q4_1_MIX = {p: "Q4_1" for p in ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
+                                 "ffn_gate", "ffn_up", "ffn_down")} | {"token_embd": "Q8_0"}  # fmt: skip
 
 
 def build(family: str, out_dir: Path, add_tokenizer) -> Path:

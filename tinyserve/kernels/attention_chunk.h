@@ -154,11 +154,6 @@ INLINE void chunk_scores(const void *const *kp, const float *const *qs, float *c
         }
 }
 
-// One query's softmax over its own keys b .. nr-1 of the chunk's n (b > 0: the first keys
-// are left of its sliding window): ph its scores, then exp(s - m), and zeros before and
-// after them up to n, so that a value pass may run over 0 .. n for every query it serves;
-// out[0] = the maximum m, out[1] = the sum l. With b = 0 a block's lanes below nr are all
-// kept, and blending or masking by all-ones changes no bit.
 // Lanes i0 .. i0+7 of a query's keys as a mask: all ones for those in b .. nr-1.
 INLINE __m256 keep8(int b, int nr, int i0) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -166,11 +161,20 @@ INLINE __m256 keep8(int b, int nr, int i0) {
                                                 _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(b - i0 - 1))));
 }
 
+// One query's softmax over its own keys b .. nr-1 of the chunk's n (b > 0: the first keys
+// are left of its sliding window): ph its scores, then exp(s - m), and zeros before and
+// after them up to n, so that a value pass may run over 0 .. n for every query it serves;
+// out[0] = the maximum m, out[1] = the sum l. With b = 0 a block's lanes below nr are all
+// kept, and blending or masking by all-ones changes no bit; only the blocks a bound cuts
+// (i0 < b, or the last) are masked.
 INLINE void softmax_query(float *ph, int b, int nr, int n, float *out) {
+    const int last = (nr - 1) / 8 * 8;
     __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int i0 = 0; i0 < nr; i0 += 8)
-        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                _mm256_loadu_ps(ph + i0), keep8(b, nr, i0)));
+    for (int i0 = 0; i0 < nr; i0 += 8) {
+        __m256 s = _mm256_loadu_ps(ph + i0);
+        if (i0 < b || i0 == last) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep8(b, nr, i0));
+        mx = _mm256_max_ps(mx, s);
+    }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
@@ -178,11 +182,12 @@ INLINE void softmax_query(float *ph, int b, int nr, int n, float *out) {
     const __m256 mv = _mm256_set1_ps(out[0]);
     __m256 sum = _mm256_setzero_ps();
     for (int i0 = 0; i0 < nr; i0 += 8) {
-        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv)), keep8(b, nr, i0));
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(ph + i0), mv));
+        if (i0 < b || i0 == last) e = _mm256_and_ps(e, keep8(b, nr, i0));
         _mm256_storeu_ps(ph + i0, e);
         sum = _mm256_add_ps(sum, e);
     }
-    for (int i = (nr + 7) / 8 * 8; i < n; i++) ph[i] = 0.0f;
+    for (int i = last + 8; i < n; i++) ph[i] = 0.0f;
     out[1] = hsum8(sum);
 }
 

@@ -105,7 +105,8 @@ def table_modes(n: int, max_tokens: int, seed: int) -> list[dict]:
             for _ in range(max_tokens):
                 L = len(seq)
                 table = list(range((L + bs - 1) // bs))
-                meta = AttentionMetadata.build([L], [L], [table], bs, engine.executor.device)
+                meta = AttentionMetadata.build([L], [L], [table], bs, engine.executor.device,
+                                               sliding_window=model.config.sliding_window)
                 h = model(torch.tensor(seq), torch.arange(L), runner.kv_caches, meta)
                 seq.append(int(model.compute_logits(h[-1:]).argmax(-1)))
                 ntok += 1

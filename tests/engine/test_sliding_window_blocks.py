@@ -158,11 +158,19 @@ def test_prefix_cache_hits_past_the_window_give_the_uncached_tokens(mistral):
 
 
 def test_a_full_attention_layer_keeps_every_block(tmp_path):
+    """Gemma 3 (local layers windowed, one global): transformers' greedy tokens past the
+    window through the engine, every block held to the end."""
     from tinyserve.testing.checkpoints import build_hf, save_hf, tiny_config
 
-    path = save_hf(build_hf(tiny_config("gemma3", sliding_window=WINDOW)), tmp_path / "g")
-    engine = tiny_engine(str(path), num_blocks=64, block_size=4)
+    hf = build_hf(tiny_config("gemma3", sliding_window=WINDOW, initializer_range=0.5))
+    engine = tiny_engine(str(save_hf(hf, tmp_path / "g")), num_blocks=64, block_size=4,
+                         enable_prefix_caching=False)  # fmt: skip
     assert engine.core.kv_cache_manager.sliding_window is None
+    held = _held_blocks_each_step(engine, "g")
+    prompt = random_prompt(20, seed=7)
+    got = run_alone(engine, [("g", prompt, greedy(16))])["g"].token_ids
+    assert got == _hf_greedy(hf, prompt, 16)
+    assert held == [-(-n // 4) for n in range(20, 36)]  # every block of its n tokens
 
 
 def test_speculative_verification_past_the_window_keeps_the_tokens(mistral):

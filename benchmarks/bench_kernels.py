@@ -130,10 +130,12 @@ def time_matmuls(libs, ws, m: int, reps: int, entry: str = "gemm", flags=(0, 0))
 
 
 def time_attention(fns, t_rows: int, context: int, reps: int):
+    # Builds since sliding windows take the window (0: none) after the scale.
+    windowed = [hasattr(f, "attention_window") for f in fns]
     fns = [f.paged_attention for f in fns]
-    for f in fns:
+    for f, w in zip(fns, windowed, strict=True):
         f.argtypes = [P, I64, P, P, I32, I32, I32, I32, P, P, P, I64, P, I64, ctypes.c_float,
-                      P, I32]  # fmt: skip
+                      *([I64] if w else []), P, I32]  # fmt: skip
         f.restype = ctypes.c_int
     g = torch.Generator().manual_seed(t_rows)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
@@ -152,7 +154,8 @@ def time_attention(fns, t_rows: int, context: int, reps: int):
             for k, v in caches:
                 f(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), bs, heads, kv_heads,
                   dim, qsl.data_ptr(), lens.data_ptr(), sot.data_ptr(), t_rows,
-                  table.data_ptr(), table.shape[1], dim**-0.5, outs[i].data_ptr(), 2)  # fmt: skip
+                  table.data_ptr(), table.shape[1], dim**-0.5, *([0] if windowed[i] else []),
+                  outs[i].data_ptr(), 2)  # fmt: skip
             times[i].append((time.perf_counter() - t) * 1e3)
     diff = max((outs[0] - o).abs().max().item() for o in outs[1:])
     return times, diff

@@ -65,7 +65,10 @@ def use_attention_at(engine: LLMEngine, rev: str) -> None:
     from bench_kernels import build, sources_at
 
     src = sources_at(rev, Path(tempfile.mkdtemp()) / "src")
-    fn = ctypes.cast(build(src, "attention", None).paged_attention, ctypes.c_void_p).value
+    lib = build(src, "attention", None)
+    if not hasattr(lib, "attention_window"):  # step.c now passes each layer's window
+        sys.exit(f"--compare attention-rev: {rev}'s attention.c predates the window argument")
+    fn = ctypes.cast(lib.paged_attention, ctypes.c_void_p).value
     plan = engine.executor.runner.model.model.step_plan
     if plan is None:
         sys.exit("--compare attention-rev needs the fused C step (the CPU kernels)")

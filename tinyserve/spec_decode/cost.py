@@ -25,6 +25,12 @@ longer chooses is never measured again (served, 2026-12-03: after one slow repet
 server drafted one token a step for the rest of its run). What remains: where each extra
 row is nearly free, even a first observation at 1.25x the line can make one draft fewer
 pay better, and that count is then not measured again.
+
+And from a slow start (2026-12-06, served: a fresh server's first steps 2-4 s, 100x): a
+faster step is believed sooner than a slower one (interference only ever slows a step);
+a count not measured in ``_STALE_STEPS`` steps is forgotten, its estimate then coming from
+counts still measured; and no estimate exceeds what splitting the step into measured
+counts would cost (``ceil(n / m)`` steps of ``m`` rows).
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ import bisect
 import math
 
 _EMA = 0.25  # weight of the newest step of a row count
+# A step faster than its estimate: interference makes steps slow, never fast, so a faster
+# one is believed sooner (half its weight, down to a quarter of the estimate a step): a
+# cold start measured 100x slow is forgotten in ~10 steps, not ~90.
+_EMA_DOWN, _CLAMP_DOWN = 0.5, 4.0
+# A count not seen in this many steps is forgotten: the estimate then comes from the counts
+# around it that are still measured (a count the policy stopped choosing because of one
+# bad measurement would otherwise keep it for good).
+_STALE_STEPS = 256
 # An observation counts as at most this factor off the estimate: a real change (longer
 # contexts, another load) still moves an estimate +6% / -5% a step, as far as a 10x outlier.
 _CLAMP = 1.25
@@ -46,6 +60,8 @@ class StepCostModel:
         self.prior_row_cost = prior_row_cost
         self._seconds: dict[int, float] = {}
         self._rows: list[int] = []  # measured row counts, sorted
+        self._seen: dict[int, int] = {}  # count -> the step that last measured it
+        self._steps = 0
 
     @property
     def measured_rows(self) -> tuple[int, ...]:
@@ -55,14 +71,22 @@ class StepCostModel:
         """A step of ``rows`` scheduled tokens took ``seconds``."""
         if rows < 1 or not 0.0 < seconds < math.inf:
             return
+        self._steps += 1
+        self._seen[rows] = self._steps
+        if self._steps % 32 == 0:
+            self._forget_stale()
         old = self._seconds.get(rows)
         if old is not None:
-            seconds = min(max(seconds, old / _CLAMP), old * _CLAMP)
-            self._seconds[rows] = (1 - _EMA) * old + _EMA * seconds
+            if seconds < old:
+                seconds = max(seconds, old / _CLAMP_DOWN)
+                self._seconds[rows] = (1 - _EMA_DOWN) * old + _EMA_DOWN * seconds
+            else:
+                seconds = min(seconds, old * _CLAMP)
+                self._seconds[rows] = (1 - _EMA) * old + _EMA * seconds
             return
         i = bisect.bisect_left(self._rows, rows)
         if i > 0:  # a new count: no cheaper than fewer rows, and not far above the line
-            lo = self._seconds[self._rows[i - 1]]
+            lo = self.estimate(self._rows[i - 1])
             if i < len(self._rows):  # between two measured counts: _CLAMP x the interpolation
                 top = _CLAMP * self.estimate(rows)
             else:  # above them all: at most two smallest-count steps a row more
@@ -70,6 +94,12 @@ class StepCostModel:
             seconds = max(min(seconds, top), lo)
         self._rows.insert(i, rows)
         self._seconds[rows] = seconds
+
+    def _forget_stale(self) -> None:
+        horizon = self._steps - _STALE_STEPS
+        for rows in [r for r in self._rows if self._seen[r] < horizon]:
+            self._rows.remove(rows)
+            del self._seconds[rows], self._seen[rows]
 
     def max_rows_within(self, seconds: float, most: int) -> int | None:
         """The largest row count up to ``most`` whose estimate is within ``seconds`` (at
@@ -86,7 +116,20 @@ class StepCostModel:
         return 1.0 + self.prior_row_cost * (n - 1)
 
     def estimate(self, n: int) -> float:
-        """Seconds for a step of ``n`` rows (relative units while nothing is measured)."""
+        """Seconds for a step of ``n`` rows (relative units while nothing is measured): at
+        most what ``ceil(n / m)`` steps of a measured count ``m <= n`` cost (a step could
+        always be split so). Without that bound, counts last measured during a cold start
+        (2026-12-06, served: the first 2-, 9- and 10-row steps at 2-3 s, 100x) priced every
+        longer draft out while the shorter counts the policy kept using had long recovered,
+        and the proposer only probed for a whole run."""
+        best = self._interpolated(n)
+        for m in self._rows:
+            if m > n:
+                break
+            best = min(best, -(-n // m) * self._seconds[m])
+        return best
+
+    def _interpolated(self, n: int) -> float:
         if (hit := self._seconds.get(n)) is not None:
             return hit
         rows = self._rows

@@ -66,3 +66,23 @@ def test_outputs_are_identical_with_any_prediction(smollm2_gguf_path):
         if kind == "unrelated":
             assert accepted == 0
     assert_no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_a_prediction_drafts_past_num_speculative_tokens(smollm2_gguf_path):
+    """A prediction is the client's draft of the whole answer: drafted in runs longer than
+    the n-gram source's ``num_speculative_tokens`` (4 here), so an exact one of 40 tokens is
+    verified in a few steps, not ten; the output stays the plain one."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
+    engine = build_engine(model=str(smollm2_gguf_path), num_blocks=256, block_size=16,
+                          speculative_config=spec)  # fmt: skip
+    (rid, prompt, params), *_ = _requests(engine.tokenizer)
+    reference = run_alone(engine, [(rid, prompt, params)])[rid].token_ids
+    stats = engine.core.proposer.stats
+    before = (engine.core.num_steps, stats.num_drafts, stats.num_accepted_tokens)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prediction=tuple(reference))
+    assert run_alone(engine, [(rid, prompt, p)])[rid].token_ids == reference
+    drafts, accepted = stats.num_drafts - before[1], stats.num_accepted_tokens - before[2]
+    assert accepted / drafts > 4, (accepted, drafts)  # runs longer than the n-gram cap
+    assert engine.core.num_steps - before[0] <= 4  # prefill + 32 + the rest (+ its bonus)
+    assert_no_leaks(engine)

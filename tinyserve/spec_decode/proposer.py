@@ -57,6 +57,9 @@ _PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.8, 0.2
 _PROBE_EVERY = 8
 _PROBE_TOKENS = 2
 _FORCED_MAX = 16  # a JSON key with its quotes and colon, the tail of an enum value, ...
+# A prediction is the client's draft of the whole answer (a file with small edits): drafts
+# from it may run longer than config.num_speculative_tokens; the pricing picks the length.
+_PREDICTION_MAX = 32
 
 
 @dataclass
@@ -157,8 +160,9 @@ class NgramProposer:
         cfg = self.config
         if num_running > cfg.max_batch_size:
             return []
+        predicted = request.sampling_params.prediction is not None
         k = min(
-            cfg.num_speculative_tokens,
+            _PREDICTION_MAX if predicted else cfg.num_speculative_tokens,
             budget - 1,
             request.max_tokens - request.num_output_tokens - 1,
             request.max_model_len - request.num_tokens - 1,
@@ -166,7 +170,7 @@ class NgramProposer:
         if k < 1:
             return []
         forced = self._forced(request, budget)
-        if not self.ngram and request.sampling_params.prediction is None and not forced:
+        if not self.ngram and not predicted and not forced:
             return []
         if not cfg.adaptive:
             return forced or self._propose(request, k)

@@ -141,6 +141,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
     (CALL + "\n" + CALL.replace("get_weather", "get_time").replace('"city": "Oslo"', '"tz": "UTC"'),
      True, True, True),
     (CALL + "\n" + CALL, False, False, False),  # parallel_tool_calls=false: one call
+    (CALL + ("\n" + CALL) * 7, True, True, True),  # at most 8, as the envelope's maxItems
+    (CALL + ("\n" + CALL) * 8, False, True, False),
     ("Hi <tool_call>\nnot a call", False, True, False),
     ('Hi <tool_call>\n{"name": "send_mail"', False, True, False),  # not one of the tools
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}', False, True, False),

@@ -225,7 +225,8 @@ class OpenAIServing:
             "prediction": prediction_ids(req, self.tokenizer)
             if getattr(req, "prediction", None)
             else None,
-            "cache_salt": getattr(req, "cache_salt", None),
+            # Declared by chat and completions only; elsewhere an extra field (check_extra_fields)
+            "cache_salt": req.cache_salt if "cache_salt" in type(req).model_fields else None,
             **extra,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}

@@ -8,12 +8,15 @@ format     the model writes                                             template
 =========  ===========================================================  ======================
 hermes     ``<tool_call>{"name", "arguments"}</tool_call>`` blocks      ``<tool_call>``
            (Qwen2.5/3, SmolLM3, Hermes; tools.py)
-mistral    ``[TOOL_CALLS][{"name", "arguments"}, ...]``                  ``[TOOL_CALLS]``
+mistral    ``[TOOL_CALLS][{"name", "arguments"}, ...]``, or in v11+         ``[TOOL_CALLS]``
+           templates (``[ARGS]`` in them) ``[TOOL_CALLS]name[ARGS]{...}``
+           per call, back to back
 granite    ``<|tool_call|>[{"name", "arguments"}, ...]``                 ``<|tool_call|>``
 llama3     ``{"name", "parameters"}``, the whole answer (one call)      ``"parameters"``
 =========  ===========================================================  ======================
 
-Any other template gets tools.py's JSON envelope. Where the marker is one special token of
+At most ``MAX_PARALLEL_CALLS`` calls in every format (``parallel_tool_calls=false`` or a
+named choice: one). Any other template gets tools.py's JSON envelope. Where the marker is one special token of
 the tokenizer (Mistral's ``[TOOL_CALLS]``, Granite's ``<|tool_call|>``), the grammar names the
 token (llguidance's ``<[id]>``) and the answer is detokenized with special tokens kept, so the
 parser sees the marker (vLLM's Mistral parser does the same); elsewhere the marker is text.

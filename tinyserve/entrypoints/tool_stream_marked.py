@@ -1,7 +1,7 @@
 """Streamed tool calls that follow a marker as one JSON value (tool_formats.py): Mistral's
 ``[TOOL_CALLS][...]`` and Granite's ``<|tool_call|>[...]`` (an array of calls, after text),
 and Llama 3.x's ``{"name", "parameters"}`` (one call that is the whole answer, possibly after
-``<|python_tag|>``). The deltas are tool_stream.py's: content until the marker (less the
+``<|python_tag|>``); ``NamedArgsStream``: Mistral's v11+ ``[TOOL_CALLS]name[ARGS]{...}``. The deltas are tool_stream.py's: content until the marker (less the
 whitespace before it, a tail that may begin the marker held back), then each call's name and
 its arguments' JSON text exactly as generated. JSON after the marker that is not a call is
 content again, marker included. ``collect_calls`` turns the events back into one answer,
@@ -21,6 +21,9 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]*")  # a function name as far as it has come
 
 
 class MarkedStream:
+    """Text, then a marker, then the calls as one JSON value (or, without a marker, the
+    answer itself as one call)."""
+
     def __init__(self, marker: str, array: bool, args_key: str) -> None:
         self._marker, self._array, self._key = marker, array, args_key
         self._d = _Deltas()

@@ -336,7 +336,9 @@ def hermes_grammar(
     writes ``<tool_call>``; from there a valid call must follow (``head`` is a lazy lexeme:
     it ends at the first ``<tool_call>``, so text that goes on to the end never holds one)."""
     many = parallel and not isinstance(choice, NamedToolChoice)
-    more = ' ("\\n<tool_call>" call)*' if many else ""
+    more = ""  # up to MAX_PARALLEL_CALLS calls, as the envelope's maxItems
+    for _ in range(MAX_PARALLEL_CALLS - 1 if many else 0):
+        more = f' ("\\n<tool_call>" call{more})?'
     schema = {"x-guidance": TOOL_JSON_OPTIONS, **fix_schema(call_schema(tools, None, open_args))}
     lines = ['call: "\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"']
     if choice in (None, "auto"):

@@ -86,6 +86,29 @@ class _Deltas:
         return events
 
 
+class BufferedStream:
+    """A choice's parser over a buffer of text not yet used: ``_step`` uses what it allows
+    and says whether to go on (False: wait for more text)."""
+
+    _d: _Deltas
+    _buf: str
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        while self._buf and self._step():
+            pass
+        return self._d.take()
+
+    def _step(self) -> bool:
+        raise NotImplementedError
+
+    def _raw(self) -> bool:
+        """Not a call after all: the rest is content as it comes."""
+        self._d.content(self._buf)
+        self._buf = ""
+        return False
+
+
 class EnvelopeStream:
     """``{"content": "..."}`` or ``{"tool_calls": [{"name", "arguments"}, ...]}``."""
 
@@ -115,7 +138,7 @@ class EnvelopeStream:
         return self._d.take(finish_reason, mid_call=not self._scan.done)
 
 
-class HermesStream:
+class HermesStream(BufferedStream):
     """Text with ``<tool_call>\\n{"name", "arguments"}\\n</tool_call>`` blocks."""
 
     def __init__(self) -> None:
@@ -127,12 +150,6 @@ class HermesStream:
         self._after_block = False  # whitespace after a block is not content
         self._scan = JsonScanner()
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        while self._buf and self._step():
-            pass
-        return self._d.take()
-
     def finish(self, finish_reason: str) -> list[Event]:
         if self._mode in ("text", "raw"):
             self._d.content(self._buf.lstrip(_WS) if self._after_block else self._buf)
@@ -140,11 +157,8 @@ class HermesStream:
         return self._d.take(finish_reason, mid_call=self._mode in ("call", "close"))
 
     def _step(self) -> bool:
-        """Use what ``_buf`` allows; False when it must wait for more text."""
         if self._mode == "raw":
-            self._d.content(self._buf)
-            self._buf = ""
-            return False
+            return self._raw()
         if self._mode == "text":
             return self._text()
         if self._mode == "call":

@@ -12,7 +12,14 @@ from __future__ import annotations
 import re
 
 from tinyserve.entrypoints.json_scanner import JsonScanner
-from tinyserve.entrypoints.tool_stream import Event, _Deltas, partial_tag, scan_more, text_until
+from tinyserve.entrypoints.tool_stream import (
+    BufferedStream,
+    Event,
+    _Deltas,
+    partial_tag,
+    scan_more,
+    text_until,
+)
 from tinyserve.entrypoints.tools import FunctionCall, ToolCall
 
 _WS = " \t\n\r"
@@ -20,7 +27,7 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it (kept special
 _NAME = re.compile(r"[a-zA-Z0-9_-]*")  # a function name as far as it has come
 
 
-class MarkedStream:
+class MarkedStream(BufferedStream):
     """Text, then a marker, then the calls as one JSON value (or, without a marker, the
     answer itself as one call)."""
 
@@ -32,12 +39,6 @@ class MarkedStream:
         self._held = ""  # the marker and what followed it: content again if not a call
         self._scan = JsonScanner()
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        while self._buf and self._step():
-            pass
-        return self._d.take()
-
     def finish(self, finish_reason: str) -> list[Event]:
         if self._mode in ("start", "text", "raw"):
             self._d.content(self._buf)
@@ -45,11 +46,8 @@ class MarkedStream:
         return self._d.take(finish_reason, mid_call=self._mode == "json")
 
     def _step(self) -> bool:
-        """Use what ``_buf`` allows; False when it must wait for more text."""
         if self._mode == "raw":
-            self._d.content(self._buf)
-            self._buf = ""
-            return False
+            return self._raw()
         if self._mode == "after":  # text after the calls (not from the grammar): content
             stripped = self._buf.lstrip(_WS)
             self._buf, self._mode = stripped, "raw" if stripped else "after"
@@ -137,9 +135,7 @@ class NamedArgsStream(MarkedStream):
 
     def _step(self) -> bool:
         if self._mode == "raw":
-            self._d.content(self._buf)
-            self._buf = ""
-            return False
+            return self._raw()
         if self._mode == "text":
             marker, self._buf = text_until(self._d, self._buf, self._marker)
             if marker is not None:

@@ -65,20 +65,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Attention sees the last ``sliding_window`` positions (Mistral); None: all of them.
     sliding_window: int | None = None
-    # Per layer 1 = windowed, 0 = full attention (``layer_types``; Gemma 3: local_layers).
-    # None: every layer has the window.
+    # Per layer 1 = windowed, 0 = full (``layer_types``; Gemma 3: local_layers); None: all 1.
     window_layers: tuple[int, ...] | None = None
     # SmolLM3: per layer, 1 = RoPE, 0 = no position encoding (NoPE). None: RoPE everywhere.
     no_rope_layers: tuple[int, ...] | None = None
-    # Granite: input rows x embedding_multiplier; each attention / MLP output x
-    # residual_multiplier before the residual add; the softmax scale attention_multiplier
-    # (None: head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5); logits / logits_scaling.
+    # Granite: input rows x embedding_multiplier; attention / MLP outputs x residual_multiplier
+    # before the add; softmax scale attention_multiplier (None: head_dim ** -0.5; Gemma 3:
+    # query_pre_attn_scalar ** -0.5); logits / logits_scaling.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Phi-3: RoPE rotates the first head_dim * partial_rotary_factor dims of each head only.
-    partial_rotary_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # Phi-3: RoPE rotates head_dim * this dims of a head
     # Gemma 3: per layer 1 = a local (sliding-window) layer, whose RoPE base is
     # rope_local_theta, unscaled; the global layers take rope_theta and rope_scaling.
     local_layers: tuple[int, ...] | None = None
@@ -86,19 +84,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}: tinyserve serves "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {self.architecture!r}: tinyserve "
+                             f"serves {', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):  # fmt: skip
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model config: {name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
-                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise ValueError(f"model config: num_attention_heads ({self.num_attention_heads}) "
+                             f"must be a multiple of num_key_value_heads "
+                             f"({self.num_key_value_heads})")  # fmt: skip
         for name in ("no_rope_layers", "window_layers", "local_layers"):
             marks = getattr(self, name)
             if marks is not None and len(marks) != self.num_hidden_layers:
@@ -135,6 +130,12 @@ class ModelConfig:
         """Layer ``layer``'s sliding window (None: it attends to its whole context)."""
         marks = self.window_layers or self.local_layers
         return None if marks is not None and not marks[layer] else self.sliding_window
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window if every layer has the same one (Mistral, Phi-3-mini), else None."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return next(iter(windows)) if len(windows) == 1 else None
 
     @property
     def q_size(self) -> int:
@@ -334,9 +335,8 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")  # fmt: skip
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
         if self.max_model_len is None:  # the engine sets it from the KV cache, then checks
@@ -381,16 +381,20 @@ class ServerConfig:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.reasoning_parser not in ("auto", "think", "none"):
-            raise ValueError(
-                f"reasoning_parser must be auto, think or none, got {self.reasoning_parser!r}"
-            )
+            raise ValueError(f"reasoning_parser must be auto, think or none, "
+                             f"got {self.reasoning_parser!r}")  # fmt: skip
         for route in self.open_routes:
             if not route.startswith("/") or "*" in route[:-1] or route == "/*":
-                raise ValueError(
-                    f"open_routes: {route!r} is not a path ('/health') or a folder "
-                    "('/playground/*'; '/*' would open every route)"
-                )
+                raise ValueError(f"open_routes: {route!r} is not a path ('/health') or a "
+                                 "folder ('/playground/*'; '/*' would open every route)")  # fmt: skip
 
     @property
     def routes_without_key(self) -> tuple[str, ...]:
         return self.open_routes + (("/metrics",) if self.metrics_no_key else ())
+
+
+def window_live_blocks(window: int, max_chunk: int, block_size: int) -> int:
+    """The most blocks one request holds at once where every layer has ``window``: a step's
+    up to ``max_chunk`` queries from s read keys from s - window + 1 on, and the blocks
+    wholly left of those are released first (engine/kv_cache_manager.py)."""
+    return -(-(window - 1 + max_chunk) // block_size) + 1

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engine import assert_no_leaks, greedy, random_prompt, run_alone, tiny_engine
+from tests.support.engine import (
+    assert_no_leaks,
+    greedy,
+    random_prompt,
+    run_alone,
+    run_batch,
+    tiny_engine,
+)
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
@@ -60,11 +67,41 @@ def test_released_blocks_stay_in_the_prefix_cache():
     hits, num_hit_tokens = kv.get_computed_blocks(b)  # 3 released blocks and a held one
     assert num_hit_tokens == 16 and hits == kv.get_block_ids("a")[:4]
     b.num_computed_tokens = num_hit_tokens
-    _step(kv, b, 2, hits)  # takes the hits, then releases those left of query 16's window
+    _step(kv, b, 2, hits)  # the hits left of query 16's window enter dead, untaken
     assert kv.num_dead_blocks("b") == 2
     assert [kv.blocks[h].ref_count for h in hits] == [0, 0, 1, 2]
     kv.free("a"), kv.free("b")
     assert kv.num_free_blocks == 16 and all(b.ref_count == 0 for b in kv.blocks)
+
+
+def test_hits_left_of_the_window_are_never_taken():
+    """A prompt computed 4 tokens a step in a 5-block pool holds at most 3 blocks at once (a
+    step's and its window's); asked again with 2 more tokens, its 5 cached blocks are hits,
+    the 3 left of query 20's window entered dead and never taken: 3 blocks held, where
+    taking every hit (5) and a new block would not fit the pool."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
+    assert kv.blocks_to_hold(100, 8) == 5 and kv.blocks_to_hold(10, 8) == 3
+    assert KVCacheManager(num_blocks=6, block_size=4).blocks_to_hold(100, 8) == 25
+    a = _request("a", list(range(20)))
+    held = []
+    for _ in range(5):
+        _step(kv, a, 4)
+        held.append(5 - kv.num_free_blocks)
+    assert held == [1, 2, 3, 3, 3] and kv.num_dead_blocks("a") == 2
+    kv.free("a")
+    b = _request("b", list(range(22)))
+    hits, num_hit_tokens = kv.get_computed_blocks(b)
+    assert num_hit_tokens == 20 and len(hits) == 5
+    b.num_computed_tokens = num_hit_tokens
+    table = _step(kv, b, 2, hits)
+    assert table[:5] == hits and kv.num_dead_blocks("b") == 3
+    # The live hits and the new block are held; the new one may reuse a dead entry's block
+    # (whose values the window never reads).
+    assert [kv.blocks[h].ref_count for h in hits[3:]] == [1, 1] and len(table) == 6
+    assert table[5] not in hits[3:] and kv.blocks[table[5]].ref_count == 1
+    assert kv.num_free_blocks == 2
+    kv.free("b")
+    assert kv.num_free_blocks == 5 and all(blk.ref_count == 0 for blk in kv.blocks)
 
 
 def test_without_a_window_on_every_layer_nothing_is_released():
@@ -197,3 +234,38 @@ def test_speculative_verification_past_the_window_keeps_the_tokens(mistral):
         assert done[rid].token_ids == plain[rid].token_ids, rid
     assert engine.core.scheduler.proposer.stats.num_accepted_tokens > 60
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_a_windowed_model_serves_past_the_kv_cache(mistral, kernels):
+    """Every layer windowed, 8 tokens a step: a request holds at most 5 blocks at once (the
+    window's 6 positions and a step's 8: blocks left of the window released before a step's
+    are taken), so a 5-block pool (20 tokens) serves 70-token requests, its context uncapped: transformers' greedy tokens alone (free blocks
+    scribbled on each step), and three at once (preempted and recomputed as the pool runs
+    short), with and without the prefix cache; nothing leaked."""
+    path, hf = mistral
+    prompts = {f"r{i}": random_prompt(30, seed=40 + i) for i in range(3)}
+    want = {rid: _hf_greedy(hf, prompt, 40) for rid, prompt in prompts.items()}
+    requests = [(rid, prompt, greedy(40)) for rid, prompt in prompts.items()]
+    for caching in (False, True):
+        engine = tiny_engine(path, num_blocks=5, block_size=4, max_num_batched_tokens=8,
+                             enable_prefix_caching=caching, cpu_kernels=kernels)  # fmt: skip
+        assert engine.max_model_len == 512  # the model's, past the pool's 20 tokens
+        if not caching:
+            held = _held_blocks_each_step(engine, "r0")
+            alone = run_alone(engine, requests[:1])
+            assert alone["r0"].token_ids == want["r0"] and max(held) <= 5
+        done = run_batch(engine, requests)
+        assert {rid: done[rid].token_ids for rid in prompts} == want
+        assert engine.core.scheduler.num_preemptions > 0
+        assert_no_leaks(engine)
+
+
+def test_the_context_stays_capped_where_one_request_would_not_fit(mistral):
+    """A pool smaller than one request's live blocks (4 < 5), or whole prompts in one step
+    (no chunked prefill): the context is the pool's, as for a model without a window."""
+    path, _ = mistral
+    assert tiny_engine(path, num_blocks=4, block_size=4, max_num_batched_tokens=8).max_model_len == 16
+    engine = tiny_engine(path, num_blocks=6, block_size=4, max_num_batched_tokens=32,
+                         enable_chunked_prefill=False)  # fmt: skip
+    assert engine.max_model_len == 24

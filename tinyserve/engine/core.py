@@ -60,13 +60,11 @@ class EngineCore:
         # Blocks every layer has left behind are released only where every layer has the
         # same window (Mistral, Phi-3-mini); a full-attention layer (Gemma 3's global ones)
         # reads them all (vLLM's hybrid allocator frees per layer group; here: per model).
-        mc = executor.model_config
-        windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)}
         self.kv_cache_manager = KVCacheManager(
             executor.num_blocks,
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            sliding_window=next(iter(windows)) if len(windows) == 1 else None,
+            sliding_window=executor.model_config.uniform_window,
         )
         spec = config.speculative
         # Without --speculative-config only requests with a prediction draft (theirs).

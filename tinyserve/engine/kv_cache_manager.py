@@ -12,12 +12,15 @@ Ownership:
 - A block is written only by its sole owner: the partly filled tail block is never hashed, so
   only full blocks are ever shared, and full blocks are never written again.
 - With a sliding window on every layer (``sliding_window``), a request's blocks wholly left
-  of its next query's window are released as it moves on (``allocate_slots``, after it has
-  registered them): no later query of the request reads them (layers/attention.py). Their
-  ids stay in its block table, dead, so positions still index it; the kernels and masks
-  never read a dead slot's values into an output. Released, a hashed block stays in the
-  prefix cache like any other until it is reused. With one full-attention layer (Gemma 3's
-  global ones) every block stays needed: nothing is released early.
+  of its next query's window are released as it moves on (``allocate_slots``, before it
+  takes the step's blocks and after registering them): no later query of the request reads
+  them (layers/attention.py). Their ids stay in its block table, dead, so positions still
+  index it; the kernels and masks never read a dead slot's values into an output. Prefix
+  hits left of the first new query's window enter the table dead, never taken. So a request
+  holds at most ``config.window_live_blocks`` at once, however long it runs: it may
+  outgrow the pool. Released, a hashed block stays in the prefix cache like any other until
+  it is reused. With one full-attention layer (Gemma 3's global ones) every block stays
+  needed: nothing is released early.
 - Hashes are registered when ``allocate_slots`` makes a block full, before the step that
   writes its K/V runs: a request scheduled in the same step may hit it. So the runner must
   write every new K/V of a step before attention reads (per layer), and must run every
@@ -30,6 +33,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tinyserve.config import window_live_blocks
 from tinyserve.request import Request
 
 
@@ -121,6 +125,15 @@ class KVCacheManager:
         """Leading entries of the request's table released as left of its window."""
         return self._num_dead.get(request_id, 0)
 
+    def blocks_to_hold(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once, computed in
+        steps of at most ``max_chunk`` tokens: all of them, or with a window on every layer
+        the window's and a step's."""
+        every = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return every
+        return min(every, window_live_blocks(self.sliding_window, max_chunk, self.block_size))
+
     def pool_map(self) -> str:
         """One character per block (the live engine view): '.' free and empty, 'c' free but
         holding a cached prefix block (reusable), 'u' held by one request, 's' held by more
@@ -195,19 +208,26 @@ class KVCacheManager:
 
         ``computed_blocks`` (prefix hits from ``get_computed_blocks``, only for a request with
         no blocks yet) become the start of its table; the caller has already counted them in
-        ``request.num_computed_tokens``. Returns the whole block table, or None, changing
-        nothing, when the free queue cannot supply the blocks.
+        ``request.num_computed_tokens``. Returns the whole block table, or None when the free
+        queue cannot supply the blocks, changing nothing but releasing the blocks already
+        left of the window (which no later query reads).
         """
         request_id = request.request_id
         computed_blocks = computed_blocks or []
         table = self.req_to_blocks.get(request_id)
         if computed_blocks and table:
             raise ValueError(f"request {request_id!r} already has blocks; hits are for new ones")
+        if table:  # registered first: a released block may be taken again just below
+            self._register(request, table, request.num_computed_tokens)
+            self._release_left_of_window(request, table)
         num_held = len(table or ()) + len(computed_blocks)
         num_required = request.num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-num_required // self.block_size) - num_held)
+        # Hits left of the first new query's window are entered dead, never taken.
+        num_dead_hits = min(self._num_left_of_window(request), len(computed_blocks))
+        live_hits = computed_blocks[num_dead_hits:]
         # A free cached hit leaves the free queue too.
-        num_free_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        num_free_hits = sum(1 for b in live_hits if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_free_hits > self.num_free_blocks:
             return None
 
@@ -215,23 +235,24 @@ class KVCacheManager:
             table = self.req_to_blocks[request_id] = []
             self._req_to_chain[request_id] = _HashChain()
         chain = self._req_to_chain[request_id]
-        for block_id in computed_blocks:
+        for i, block_id in enumerate(computed_blocks):
             block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._free_queue[block_id]
-            block.ref_count += 1
+            if i >= num_dead_hits:
+                if block.ref_count == 0:
+                    del self._free_queue[block_id]
+                block.ref_count += 1
             table.append(block_id)
             chain.hashes.append(block.block_hash)
             chain.content_ids.append(block.content_id)
+        if num_dead_hits:
+            self._num_dead[request_id] = num_dead_hits
         for _ in range(num_new_blocks):
             block_id, _ = self._free_queue.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_count = 1
             table.append(block_id)
-        if self.enable_prefix_caching:
-            num_full = min(num_required, request.num_tokens) // self.block_size
-            self._register_full_blocks(request, table, chain, num_full)
+        self._register(request, table, num_required)
         self._release_left_of_window(request, table)
         return list(table)
 
@@ -261,14 +282,25 @@ class KVCacheManager:
         """Release the blocks wholly left of the window of the request's next query (at
         ``num_computed_tokens``: later queries' windows start later still). Speculation only
         moves num_computed_tokens back over this step's rejected drafts, never below."""
-        if self.sliding_window is None:
-            return
-        first_needed = request.num_computed_tokens - self.sliding_window + 1
-        dead = min(max(0, first_needed) // self.block_size, len(table))
+        dead = min(self._num_left_of_window(request), len(table))
         rid = request.request_id
         for i in range(self._num_dead.get(rid, 0), dead):
             self._release(table[i])
             self._num_dead[rid] = i + 1
+
+    def _register(self, request: Request, table: list[int], num_tokens: int) -> None:
+        """Register the request's blocks full of its own tokens within ``num_tokens``."""
+        if self.enable_prefix_caching:
+            num_full = min(num_tokens, request.num_tokens) // self.block_size
+            self._register_full_blocks(
+                request, table, self._req_to_chain[request.request_id], num_full
+            )
+
+    def _num_left_of_window(self, request: Request) -> int:
+        """Blocks wholly left of the window of the request's next query (0: no window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; a block nobody holds joins the free queue's tail."""

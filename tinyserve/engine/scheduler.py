@@ -278,9 +278,10 @@ class Scheduler:
         """Admit waiting requests FCFS (no skipping). Returns the budget left."""
         kv = self.kv_cache_manager
         max_num_seqs = self.scheduler_config.max_num_seqs
+        max_chunk = self.scheduler_config.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
-            if -(-request.num_tokens // kv.block_size) > kv.num_total_blocks:
+            if kv.blocks_to_hold(request.num_tokens, max_chunk) > kv.num_total_blocks:
                 # Would wait forever at the head of the queue: fail it instead.
                 request.error = (
                     f"request needs {request.num_tokens} tokens of KV cache; only "

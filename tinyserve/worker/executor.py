@@ -17,7 +17,14 @@ from typing import Protocol
 
 import torch
 
-from tinyserve.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tinyserve.config import (
+    CacheConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    window_live_blocks,
+)
 from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
 from tinyserve.models.loader import (
     load_model_config,
@@ -45,11 +52,21 @@ class ExecutorConfig(Protocol):
     scheduler: SchedulerConfig
 
 
-def resolve_max_model_len(config: ModelConfig, requested: int | None, capacity: int) -> int:
-    """The context window: the request's (checked) or the model's, capped by the KV cache.
-    A sliding window does not cap it: windowed layers attend over their window through the
-    paged cache (layers/attention.py)."""
+def resolve_max_model_len(
+    config: ModelConfig, requested: int | None, capacity: int, max_chunk: int = 0, block_size=16
+) -> int:
+    """The context window: the request's (checked) or the model's, capped by the KV cache
+    (``capacity`` tokens) unless every layer has the same window and the most blocks one
+    request holds at once in steps of ``max_chunk`` tokens (config.window_live_blocks) fit:
+    its blocks left of the window are released as it moves on, so it may outgrow the pool."""
     model_max, what = config.max_position_embeddings, "context"
+    window = config.uniform_window
+    if (
+        window
+        and max_chunk
+        and window_live_blocks(window, max_chunk, block_size) * block_size <= capacity
+    ):
+        capacity = model_max
     if requested is not None:
         if requested > model_max:
             raise ValueError(
@@ -105,8 +122,9 @@ class Executor:
         self.block_size = cache.block_size
         self.kv_capacity_tokens = self.num_blocks * cache.block_size
         self.max_model_len = resolve_max_model_len(
-            self.model_config, load.max_model_len, self.kv_capacity_tokens
-        )
+            self.model_config, load.max_model_len, self.kv_capacity_tokens,
+            sched.max_num_batched_tokens if sched.enable_chunked_prefill else 0, self.block_size,
+        )  # fmt: skip
         tp.broadcast(self.num_blocks)  # the other ranks allocate the same number of blocks
         self.runner = ModelRunner(
             self.model, self.num_blocks, cache.block_size, tp.device,

@@ -265,7 +265,8 @@ def test_the_context_stays_capped_where_one_request_would_not_fit(mistral):
     """A pool smaller than one request's live blocks (4 < 5), or whole prompts in one step
     (no chunked prefill): the context is the pool's, as for a model without a window."""
     path, _ = mistral
-    assert tiny_engine(path, num_blocks=4, block_size=4, max_num_batched_tokens=8).max_model_len == 16
+    small = tiny_engine(path, num_blocks=4, block_size=4, max_num_batched_tokens=8)
+    assert small.max_model_len == 16
     engine = tiny_engine(path, num_blocks=6, block_size=4, max_num_batched_tokens=32,
                          enable_chunked_prefill=False)  # fmt: skip
     assert engine.max_model_len == 24

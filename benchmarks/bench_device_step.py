@@ -100,6 +100,7 @@ def _engine(args, mode: str, max_batch: int) -> LLMEngine:
     os.environ["TINYSERVE_TRITON_ATTENTION"] = "0" if mode == "eager-sdpa" else "1"
     return LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype,
                                 max_num_seqs=max_batch, load_tokenizer=False,
+                                speculative_config=None,  # plain decode steps
                                 kv_cache_memory=args.kv_cache_memory,
                                 enforce_eager=mode != "graphs"))  # fmt: skip
 

@@ -40,7 +40,8 @@ from tinyserve.sampling_params import SamplingParams  # noqa: E402
 def make_engine(args):
     from tinyserve.engine.llm_engine import LLMEngine
 
-    kw = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.requests))
+    kw = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(64, args.requests),
+              speculative_config=None)  # fmt: skip
     if args.tiny:
         from tinyserve.testing.checkpoints import engine_qwen2
 

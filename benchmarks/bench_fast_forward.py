@@ -102,7 +102,8 @@ def main() -> None:
             order = (True, False) if rep % 2 == 0 else (False, True)
             outs = {}
             for ff in order:
-                engine = LLMEngine(EngineArgs(kv_cache_memory="512MiB"))
+                # Speculation off: the forced tokens the only drafts.
+                engine = LLMEngine(EngineArgs(kv_cache_memory="512MiB", speculative_config=None))
                 r = run(engine, c, args.max_tokens, ff)
                 outs[ff] = r.pop("outputs")
                 cells.setdefault(f"{c}:{'on' if ff else 'off'}", []).append(r)

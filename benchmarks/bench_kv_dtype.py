@@ -79,7 +79,7 @@ def use_attention_at(engine: LLMEngine, rev: str) -> None:
 def engines(args) -> dict[str, LLMEngine]:
     common = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=64,
                   max_num_batched_tokens=2048, enable_prefix_caching=False,
-                  load_tokenizer=False)  # fmt: skip
+                  load_tokenizer=False, speculative_config=None)  # fmt: skip
     engs = {}
     for label, (kw, huge) in ENGINES[args.compare].items():
         if huge is not None:

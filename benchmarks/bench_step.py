@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 kv_cache_memory="512MiB",
                 max_num_seqs=64,
+                speculative_config=None,  # steady decode steps, no drafts
                 **flags,
             )
         )  # fmt: skip

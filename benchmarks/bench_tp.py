@@ -46,6 +46,7 @@ def measure(model: str, tp: int, batch1_tokens: int, batch16_tokens: int) -> dic
             tensor_parallel_size=tp,
             load_tokenizer=False,
             kv_cache_memory="256MiB",
+            speculative_config=None,  # decode steps alike on both sides
         )
     )
     load_s = time.monotonic() - t0

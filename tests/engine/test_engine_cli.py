@@ -67,3 +67,17 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys):
         main(["generate", "--speculative-config", '{"num_speculative_tokens": 0}', "hi"])
     assert e.value.code == 2
     assert "speculative_config: num_speculative_tokens must be" in capsys.readouterr().err
+
+
+def test_speculation_is_suffix_by_default_and_off_turns_it_off():
+    import argparse
+
+    from tinyserve.engine.arg_utils import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).speculative_config.method == "suffix"
+    for off in ("off", "none"):
+        assert parser.parse_args(["--speculative-config", off]).speculative_config is None
+    ngram = parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
+    assert ngram.speculative_config.method == "ngram"

@@ -42,6 +42,24 @@ def test_greedy_identical_batched_alone_on_prefix_hits_and_from_earlier_outputs(
     assert_no_leaks(spec)
 
 
+def test_the_default_is_suffix_decoding_and_changes_no_token(smol_path):
+    """What EngineArgs gives without a speculative_config ("auto"): suffix decoding under the
+    measured pricing, with plain decoding's greedy outputs."""
+    from tinyserve.engine.arg_utils import EngineArgs
+    from tinyserve.spec_decode.config import SpeculativeConfig
+
+    assert EngineArgs().speculative_config == "auto"
+    plain = spec_engine(smol_path, None)
+    assert not plain.core.speculative
+    reqs = greedy_requests(plain.tokenizer)
+    reference = outputs_of(run_batch(plain, reqs), reqs)
+    default = spec_engine(smol_path, "auto")
+    assert default.core.speculative
+    assert default.core.proposer.config == SpeculativeConfig(method="suffix")
+    assert outputs_of(run_batch(default, reqs), reqs) == reference
+    assert_no_leaks(default)
+
+
 def test_greedy_identical_under_preemption(smol_path):
     plain = spec_engine(smol_path, None)
     reqs = [(r, p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))

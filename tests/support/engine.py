@@ -49,8 +49,10 @@ def _shared_tokenizer(source):
 
 def build_engine(**kwargs) -> LLMEngine:
     """``LLMEngine(EngineArgs(dtype="float32", device="cpu", **kwargs))``, over a real
-    Executor whose model weights (and tokenizer) are shared by every engine of the process."""
-    args = EngineArgs(**{"dtype": "float32", "device": "cpu", **kwargs})
+    Executor whose model weights (and tokenizer) are shared by every engine of the process.
+    Speculation off unless asked for: the engine tests' schedules and step counts are those
+    of plain decoding (the default, suffix decoding, is tests/spec_decode's and the servers')."""
+    args = EngineArgs(**{"dtype": "float32", "device": "cpu", "speculative_config": None, **kwargs})
     if args.tensor_parallel_size > 1:  # a shard belongs to its process group
         return LLMEngine(args)
     executor = Executor(args.create_configs(), loaded=_shared_model(args))

@@ -55,6 +55,7 @@ def _engine(path, **kw):
         num_blocks=96,
         max_num_batched_tokens=32,
         max_num_seqs=8,
+        speculative_config=None,  # plain decode steps: the ones graphs replay
     )
     args.update(kw)  # fmt: skip
     return LLMEngine(EngineArgs(**args))

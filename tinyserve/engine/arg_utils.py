@@ -60,10 +60,11 @@ class EngineArgs:
     decode_activations: str = "float32"  # GGUF blocks: "int8" rounds decode activations
     kernel_activations: str = "auto"  # GGUF blocks: bf16 activations where AVX512-BF16 is
     fused_step: bool = True  # all layers in one C call (kernels/step.c) on the kernel path
-    # Speculative decoding (spec_decode/): vLLM's JSON, e.g. '{"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' or
-    # '{"method": "suffix"}', or the parsed config (what the --speculative-config flag gives).
-    speculative_config: str | dict | SpeculativeConfig | None = None
+    # Speculative decoding (spec_decode/): "auto" (suffix decoding, drafts only where the
+    # measured step costs say they pay), "off" / None, or vLLM's JSON, e.g. '{"method":
+    # "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    # or '{"method": "suffix"}', or the parsed config (what --speculative-config gives).
+    speculative_config: str | dict | SpeculativeConfig | None = "auto"
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (worker/decode_graphs.py)
 
     @property
@@ -130,12 +131,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_gpu_args(parser, d)
     parser.add_argument(
         "--speculative-config",
-        default=None,
+        default=d.speculative_config,
         type=_speculative_config,
-        help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
+        help="speculative decoding (lossless): 'auto' (the default: suffix decoding), 'off', "
+        'or vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
         "(n-gram prompt lookup), or '{\"method\": \"suffix\"}' (suffix decoding: drafts "
-        "from the request's tokens and earlier outputs of its cache_salt); lossless; drafts "
+        "from the request's tokens and earlier outputs of its cache_salt); drafts "
         "priced by this machine's measured step costs, none above max_batch_size running "
         "requests, default 8",
     )

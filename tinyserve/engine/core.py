@@ -67,7 +67,7 @@ class EngineCore:
             sliding_window=executor.model_config.uniform_window,
         )
         spec = config.speculative
-        # Without --speculative-config only requests with a prediction draft (theirs).
+        # With speculation off only requests with a prediction draft (theirs).
         self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None)
         self.speculative = spec is not None
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.proposer)

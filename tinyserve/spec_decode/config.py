@@ -4,7 +4,10 @@ Torch-free.
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 "prompt_lookup_min": 2}`` or ``{"method": "suffix"}`` (spec_decode/suffix.py; vLLM's
 ``suffix_decoding_*`` keys, plus ``suffix_decoding_max_cached_tokens``, ours: the memory
-bound), as JSON text (the CLI) or a dict (``LLM(speculative_config=...)``).
+bound), as JSON text (the CLI) or a dict (``LLM(speculative_config=...)``); ``"auto"`` (the
+default: suffix decoding, priced per request by the measured step costs, which measured no
+loss on any served workload: benchmarks/README.md) or ``"off"`` / None (no drafts but a
+request's own prediction and its grammar's forced tokens).
 The adaptive policy's knobs (ours, not vLLM's; spec_decode/proposer.py) are
 ``max_batch_size``, ``min_acceptance_rate`` and ``adaptive``.
 """
@@ -80,10 +83,14 @@ class SpeculativeConfig:
     def parse(
         cls, value: str | dict[str, Any] | SpeculativeConfig | None
     ) -> SpeculativeConfig | None:
-        """JSON text, a dict, a config or None (speculation off). Raises ValueError naming
-        the field for anything else."""
+        """JSON text, a dict, a config, "auto" (suffix decoding) or "off" / None (speculation
+        off). Raises ValueError naming the field for anything else."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        if value in ("off", "none"):
+            return None
+        if value == "auto":
+            return cls(method="suffix")
         if isinstance(value, str):
             try:
                 value = json.loads(value)

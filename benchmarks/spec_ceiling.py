@@ -16,7 +16,14 @@ step would yield:
 * ``oracle``: at every step, among *all* earlier occurrences of *every* suffix of length
   1..prompt_lookup_max, the one whose continuation matches the output longest, up to
   2 x ``num_speculative_tokens`` drafts: an upper bound on any proposer that copies from
-  the context (tree verification of several candidates included).
+  the context (tree verification of several candidates included);
+* ``suffix``: suffix decoding's chain (spec_decode/suffix.py, up to 16 drafts), from the
+  request's own tokens and the earlier requests' outputs (a SuffixCache filled in request
+  order, as the engine's is); ``suffix_tree<N>``: tree verification of the same sources —
+  every continuation of the matched suffix's occurrences with path probability >=
+  ``min_token_prob`` (both sources' tries merged), the N likeliest nodes (prefix-closed)
+  verified in one step of 1 + N rows, accepted as deep as the output follows a branch
+  (issue 40 deliver 1: measured before building the tree mask).
 
 Each is priced in hindsight: a step drafts exactly the tokens that will be accepted, so no
 rejected row is ever paid for — an upper bound on what any draft-length policy (the
@@ -43,6 +50,7 @@ import json
 import statistics
 import sys
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 
@@ -54,6 +62,16 @@ from machine import machine_info  # noqa: E402
 from tinyserve import LLM, SamplingParams  # noqa: E402
 from tinyserve.spec_decode.cost import StepCostModel  # noqa: E402
 from tinyserve.spec_decode.ngram import propose  # noqa: E402
+from tinyserve.spec_decode.suffix import (  # noqa: E402
+    _SEP,
+    _WIDTH,
+    SuffixCache,
+    SuffixParams,
+    _longest_suffix,
+    _occurrences,
+    _token,
+    best_draft,
+)
 
 GRID = [(2, 2), (8, 2), (4, 1), (8, 1), (16, 1)]  # (num_speculative_tokens, prompt_lookup_min)
 
@@ -117,6 +135,73 @@ def oracle_proposal(ctx: list[int], out: list[int], i: int, k: int, lookup_max: 
 
 
 PROPOSERS = {"ngram": propose, "earliest": propose_earliest, "vote": propose_vote}
+SUFFIX_K = 16  # suffix decoding's num_speculative_tokens default
+SUFFIX_VARIANTS = [("suffix", None)] + [(f"suffix_tree{n}", n) for n in (4, 8, 16, 32)]
+
+
+def suffix_trie(tokens: list[int], corpus, data: bytes, k: int, cfg: SuffixParams) -> dict:
+    """Every continuation (path -> path probability >= min_token_prob, at most k deep, and
+    max_spec_factor x the match) of the longest matched suffix's occurrences in one source:
+    the counted suffix tree's subtree whose top path speculate() drafts."""
+    own = corpus is tokens
+    end = (len(corpus) - 1) * _WIDTH if own else len(data)
+    size = _longest_suffix(data, tokens, end, cfg.max_depth)
+    if size == 0:
+        return {}
+    limit = min(k, max(1, int(cfg.max_spec_factor * size)))
+    nodes: dict[tuple, float] = {}
+    stack = [((), _occurrences(data, array("i", tokens[-size:]).tobytes(), end), 1.0)]
+    while stack:
+        path, alive, prob = stack.pop()
+        if len(path) >= limit:
+            continue
+        groups: dict[int, list[int]] = {}
+        for s in alive:
+            if (t := _token(corpus, s + len(path), list(path), own)) != _SEP:
+                groups.setdefault(t, []).append(s)
+        for t, group in groups.items():
+            p = prob * len(group) / len(alive)
+            if p >= cfg.min_token_prob:
+                nodes[path + (t,)] = max(nodes.get(path + (t,), 0.0), p)
+                stack.append((path + (t,), group, p))
+    return nodes
+
+
+def tree_proposal(tokens, cache: SuffixCache, k: int, budget: int, cfg: SuffixParams) -> set:
+    """The ``budget`` likeliest nodes of both sources' tries, prefix-closed."""
+    nodes = suffix_trie(tokens, tokens, array("i", tokens).tobytes(), k, cfg)
+    if (shared := cache.corpus(None)) is not None:
+        for path, p in suffix_trie(tokens, shared[0], shared[1], k, cfg).items():
+            nodes[path] = max(nodes.get(path, 0.0), p)
+    chosen: set[tuple] = set()
+    for path in sorted(nodes, key=lambda q: (-nodes[q], len(q))):  # parents first
+        if len(chosen) == budget:
+            break
+        if len(path) == 1 or path[:-1] in chosen:
+            chosen.add(path)
+    return chosen
+
+
+def replay_suffix(prompt, out, cache: SuffixCache, budget: int | None) -> list[tuple[int, int]]:
+    """(drafted, accepted) per step with suffix decoding's chain (``budget`` None) or a tree
+    of ``budget`` nodes; the request's output joins ``cache`` afterwards (the caller's)."""
+    cfg, steps, i = SuffixParams(), [], 1
+    while i < len(out):
+        room = min(SUFFIX_K, len(out) - i - 1)
+        tokens = prompt + out[:i]
+        if room < 1:
+            steps.append((0, 0))
+        elif budget is None:
+            p = best_draft(tokens, cache, None, room, cfg)
+            steps.append((len(p), accepted(p, out, i)))
+        else:
+            tree = tree_proposal(tokens, cache, room, budget, cfg)
+            n = 0
+            while i + n < len(out) and tuple(out[i : i + n + 1]) in tree:
+                n += 1
+            steps.append((len(tree), n))
+        i += steps[-1][1] + 1
+    return steps
 
 
 def replay(prompt: list[int], out: list[int], method: str, cfg: dict) -> list[tuple[int, int]]:
@@ -200,12 +285,12 @@ def main() -> int:
     p.add_argument("--spec", default=SPEC)
     p.add_argument("--out", default="benchmarks/results/spec_ceiling.json")
     args = p.parse_args()
-    cfg = json.loads(args.spec)
+    cfg = {**json.loads(SPEC), **json.loads(args.spec)}  # the n-gram variants' keys
     # Salted as bench_serving salts (a fresh nonce per run): the same prompts it serves.
     reqs = make_workload(args.workload, args.num_requests, args.seed, new_salt())
     kw = {"model": args.model} if args.model else {}
-    off = LLM(**kw, enable_prefix_caching=False)
-    on = LLM(**kw, enable_prefix_caching=False, speculative_config=cfg)
+    off = LLM(**kw, enable_prefix_caching=False, speculative_config=None)
+    on = LLM(**kw, enable_prefix_caching=False, speculative_config=json.loads(args.spec))
     warm = make_workload(args.workload, 1, args.seed + 1, new_salt())
     run_both(off, on, warm)
     plain, spec = run_both(off, on, reqs)
@@ -213,7 +298,7 @@ def main() -> int:
         if a["output"] != b["output"]:
             sys.exit("speculation changed a greedy output: see tests/engine/test_spec_decode.py")
     cost = on.engine.core.scheduler.proposer.cost
-    rows = []
+    rows, cache = [], SuffixCache(10000, 1 << 16)
     for a, b in zip(plain, spec, strict=True):
         n = len(a["output"])
         row = {
@@ -224,6 +309,10 @@ def main() -> int:
         }
         for name, method, c in variants(cfg):
             row[name] = price(replay(a["prompt"], a["output"], method, c), cost, a["ttft_s"], n)
+        for name, budget in SUFFIX_VARIANTS:
+            steps = replay_suffix(a["prompt"], a["output"], cache, budget)
+            row[name] = price(steps, cost, a["ttft_s"], n)
+        cache.add(None, a["output"])
         rows.append(row)
 
     def med(f):
@@ -233,10 +322,10 @@ def main() -> int:
         "measured_on_off": med(lambda r: r["off_s"] / r["on_s"]),
         "ttft_share_off": med(lambda r: r["ttft_s"] / r["off_s"]),
         "step_cost_ms": {
-            str(k): round(cost.estimate(k) * 1e3, 3) for k in cost.measured_rows if k <= 16
+            str(k): round(cost.estimate(k) * 1e3, 3) for k in cost.measured_rows if k <= 33
         },
     }
-    methods = [name for name, _, _ in variants(cfg)]
+    methods = [name for name, _, _ in variants(cfg)] + [name for name, _ in SUFFIX_VARIANTS]
     for method in methods:
         for key in ("tokens_per_step", "bound", "bound_free_rows", "full"):
             summary[f"{method}_{key}"] = med(lambda r, m=method, k=key: r[m][k])

@@ -96,3 +96,22 @@ def test_vote_drafts_past_the_end_of_one_match(ceiling):
     out = [6, 7, 5, 6, 7, 5]  # after the prompt [5, 6, 7, 5]; out[0] from the prefill
     assert ceiling.replay([5, 6, 7, 5], out, "vote", CFG) == [(4, 4)]
     assert ceiling.replay([5, 6, 7, 5], out, "ngram", CFG) == [(3, 3), (0, 0)]
+
+
+def test_a_suffix_tree_keeps_the_branch_the_chain_drops(ceiling):
+    from tinyserve.spec_decode.suffix import SuffixCache
+
+    # The context ends (1, 2), which continued 10, 11 once and 20, 21 later: a tie, so the
+    # chain drafts the latest (20, 21) and the output (10, 11) rejects it; the next step's
+    # (2, 10) has one continuation, 11. A 4-node tree holds both branches: 2 accepted at once.
+    prompt, out = [1, 2, 10, 11, 1, 2, 20, 21, 1], [2, 10, 11, 5]
+    chain = ceiling.replay_suffix(prompt, out, SuffixCache(10, 100), None)
+    assert chain == [(2, 0), (1, 1)]
+    tree = ceiling.replay_suffix(prompt, out, SuffixCache(10, 100), 4)
+    assert tree == [(4, 2)]
+    assert ceiling.tree_proposal(prompt + out[:1], SuffixCache(10, 100), 2, 4,
+                                 ceiling.SuffixParams()) == {(10,), (10, 11), (20,), (20, 21)}  # fmt: skip
+    # Earlier outputs are a source too: with (1, 2, 30) in the cache, a third branch.
+    cache = SuffixCache(10, 100)
+    cache.add(None, [1, 2, 30])
+    assert (30,) in ceiling.tree_proposal(prompt + out[:1], cache, 2, 8, ceiling.SuffixParams())

@@ -53,7 +53,11 @@ class ExecutorConfig(Protocol):
 
 
 def resolve_max_model_len(
-    config: ModelConfig, requested: int | None, capacity: int, max_chunk: int = 0, block_size=16
+    config: ModelConfig,
+    requested: int | None,
+    capacity: int,
+    max_chunk: int = 0,
+    block_size: int = 16,
 ) -> int:
     """The context window: the request's (checked) or the model's, capped by the KV cache
     (``capacity`` tokens) unless every layer has the same window and the most blocks one

@@ -249,3 +249,15 @@ def test_forced_tokens_spell_what_the_grammar_allows_alone(backend, compiled, sm
     m.reset()
     assert m.accept_tokens(smollm2_tokenizer.encode(DOC, add_special_tokens=False))
     assert m.accept_tokens([backend.eos_token_ids[0]]) and m.forced_tokens() == []
+
+
+def test_the_grammar_backend_does_not_load_torch_dynamo():
+    """llguidance.torch wraps a helper in torch.compile at import, which loads torch._dynamo
+    (~3.4 s of a server's start): the backend fills masks without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tinyserve.structured.backend as b; "
+            "print('torch._dynamo' in sys.modules, 'llguidance.torch' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

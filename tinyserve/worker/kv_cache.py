@@ -3,6 +3,9 @@ engine/kv_cache_manager.py)."""
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from tinyserve.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig
@@ -76,7 +79,7 @@ def allocate_kv_cache(
     tp_size: int = 1,
 ) -> list[KVCache]:
     """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads / tp_size,
-    head_dim]. Zero-filled so a stale read can never be NaN.
+    head_dim]. Zero-filled so a stale read can never be NaN (on a CPU: fresh zero pages).
 
     On a CPU every tensor is a view of one buffer asked for in huge pages before it is
     touched (:func:`advise_huge_pages`): a decode row reads a few cache lines per key from
@@ -92,10 +95,17 @@ def allocate_kv_cache(
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(layers)
         ]  # fmt: skip
-    buf = torch.empty(layers, 2, *shape, dtype=dtype)
+    buf = _zero_pages(layers * 2 * math.prod(shape), dtype).view(layers, 2, *shape)
     advise_huge_pages(buf)
-    buf.zero_()
     return [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+
+
+def _zero_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor over a fresh anonymous mapping: zeros by POSIX, each page zeroed by the
+    kernel when first touched. ``torch.empty`` + ``zero_()`` touched the whole cache up front:
+    ~3 s of a 13 s server start (1 GiB, 2 Zen 3 cores, py-spy). The tensor holds the mapping."""
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=dtype, count=numel)
 
 
 _MADV_HUGEPAGE = 14  # linux/mman.h

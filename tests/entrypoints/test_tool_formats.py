@@ -232,7 +232,10 @@ def family_server(request, smollm2_gguf_path, tmp_path_factory):
     cfg = path / "tokenizer_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": template}))
     (path / "chat_template.jinja").write_text(template)  # transformers 5 reads this one first
-    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=256))
+    # Speculation off: the formats' streams are checked token by token (a verified draft run
+    # would send a short call's arguments in one fragment).
+    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=256,
+                                  speculative_config=None))  # fmt: skip
     with serve(AsyncEngine(engine), ServerConfig()) as s:
         yield FAMILIES[request.param], s
 

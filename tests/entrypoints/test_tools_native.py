@@ -56,7 +56,10 @@ def hermes_server(smollm2_gguf_path, tmp_path_factory):
     cfg = path / "tokenizer_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": HERMES}))
     (path / "chat_template.jinja").write_text(HERMES)  # transformers 5 reads this one first
-    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=256))
+    # Speculation off: the formats' streams are checked token by token (a verified draft run
+    # would send a short call's arguments in one fragment).
+    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", num_blocks=256,
+                                  speculative_config=None))  # fmt: skip
     assert T.hermes_template(engine.tokenizer)
     with serve(AsyncEngine(engine), ServerConfig()) as s:
         yield s

@@ -3,6 +3,8 @@ tool whose arguments are grammar-checked, streamed and non-streamed tool calls c
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -74,8 +76,14 @@ def same_when_streamed(client, seeds, raw_text=False, **request) -> int:
     content (Hermes), so text cut by ``length`` streams the same too."""
     finished = 0
     for seed in seeds:
-        content, calls, finish = non_streamed(client, seed=seed, **request)
-        s_content, s_calls, s_finish, fragments = accumulate(client, seed=seed, **request)
+        # Each its own cache_salt: the streamed answer is not drafted whole from the one just
+        # given (suffix decoding, on by default, would send it in one fragment); salts change
+        # no token.
+        salted = [{**request, "extra_body": {**request.get("extra_body", {}),
+                                             "cache_salt": f"{seed}-{mode}-{uuid.uuid4().hex}"}}
+                  for mode in ("plain", "stream")]  # fmt: skip
+        content, calls, finish = non_streamed(client, seed=seed, **salted[0])
+        s_content, s_calls, s_finish, fragments = accumulate(client, seed=seed, **salted[1])
         assert s_finish == finish
         if finish == "length":  # streamed: what was sent; not streamed: the raw text
             if raw_text and not s_calls:

@@ -82,19 +82,21 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
-def test_the_cache_is_not_touched_until_used():
-    """256 MiB of cache: fresh zero pages, resident only as they are written (the server's
-    start no longer writes the whole cache: ~3 s of 13 s on 2 Zen 3 cores)."""
+def test_the_cache_is_resident_and_zero_from_the_start():
+    """256 MiB of cache from a fresh mapping, each page touched once at allocation: resident
+    at once (memory runs out at start-up, not mid-serving; RSS flat while the pool fills, as
+    the soak test checks) and zero, and writes stay where they are made."""
 
     class Shape:
         num_key_value_heads, head_dim, num_hidden_layers = 4, 64, 16
 
     before = _rss_bytes()
     kv = allocate_kv_cache(Shape, 2048, 16, torch.float32)  # 2 x 16 x 8 MiB
-    assert _rss_bytes() - before < 32 << 20
+    assert _rss_bytes() - before > 200 << 20
     k, v = kv[7]
+    assert not k.any() and not v.any() and not kv[15][1].any()
     k[100:110].fill_(2.0)
-    assert float(k[100:110].sum()) == 2.0 * k[100:110].numel() and not v.any()
+    assert float(k.sum()) == 2.0 * k[100:110].numel() and not v.any()
 
 
 def test_too_small_a_tensor_gets_no_advice():

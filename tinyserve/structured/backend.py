@@ -98,7 +98,8 @@ class Matcher:
         # wraps a helper in torch.compile at import, which loads torch._dynamo (~3.4 s of a
         # 13 s server start on 2 Zen 3 cores, measured with py-spy).
         mask = bitmask[row]
-        if bitmask.dim() != 2 or bitmask.dtype != torch.int32 or not mask.is_contiguous():
+        ok = bitmask.dim() == 2 and bitmask.dtype == torch.int32 and bitmask.is_cpu
+        if not ok or not mask.is_contiguous():
             raise ValueError("bitmask: a contiguous int32 CPU tensor, one row per request")
         self._m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
         if self._m.is_error():

@@ -64,13 +64,11 @@ from tinyserve.spec_decode.cost import StepCostModel  # noqa: E402
 from tinyserve.spec_decode.ngram import propose  # noqa: E402
 from tinyserve.spec_decode.suffix import (  # noqa: E402
     _SEP,
-    _WIDTH,
     SuffixCache,
     SuffixParams,
-    _longest_suffix,
-    _occurrences,
-    _token,
     best_draft,
+    match,
+    token_at,
 )
 
 GRID = [(2, 2), (8, 2), (4, 1), (8, 1), (16, 1)]  # (num_speculative_tokens, prompt_lookup_min)
@@ -144,20 +142,16 @@ def suffix_trie(tokens: list[int], corpus, data: bytes, k: int, cfg: SuffixParam
     max_spec_factor x the match) of the longest matched suffix's occurrences in one source:
     the counted suffix tree's subtree whose top path speculate() drafts."""
     own = corpus is tokens
-    end = (len(corpus) - 1) * _WIDTH if own else len(data)
-    size = _longest_suffix(data, tokens, end, cfg.max_depth)
-    if size == 0:
-        return {}
-    limit = min(k, max(1, int(cfg.max_spec_factor * size)))
+    limit, alive = match(data, tokens, corpus, k, cfg.max_depth, cfg.max_spec_factor)
     nodes: dict[tuple, float] = {}
-    stack = [((), _occurrences(data, array("i", tokens[-size:]).tobytes(), end), 1.0)]
+    stack = [((), alive, 1.0)] if alive else []
     while stack:
         path, alive, prob = stack.pop()
         if len(path) >= limit:
             continue
         groups: dict[int, list[int]] = {}
         for s in alive:
-            if (t := _token(corpus, s + len(path), list(path), own)) != _SEP:
+            if (t := token_at(corpus, s + len(path), list(path), own)) != _SEP:
                 groups.setdefault(t, []).append(s)
         for t, group in groups.items():
             p = prob * len(group) / len(alive)

@@ -217,7 +217,8 @@ class KVCacheManager:
         table = self.req_to_blocks.get(request_id)
         if computed_blocks and table:
             raise ValueError(f"request {request_id!r} already has blocks; hits are for new ones")
-        if table:  # registered first: a released block may be taken again just below
+        if table and self.sliding_window is not None:  # registered first: a block released
+            # here may be taken again just below
             self._register(request, table, request.num_computed_tokens)
             self._release_left_of_window(request, table)
         num_held = len(table or ()) + len(computed_blocks)

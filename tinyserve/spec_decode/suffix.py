@@ -75,6 +75,26 @@ def _occurrences(data: bytes, needle: bytes, end: int) -> list[int]:
     return found
 
 
+def match(
+    data: bytes,
+    tokens: Sequence[int],
+    corpus: Sequence[int],
+    k: int,
+    max_depth: int,
+    max_spec_factor: float,
+) -> tuple[int, list[int]]:
+    """(the draft's length limit, the token indices just past the latest occurrences of the
+    longest suffix of ``tokens`` in ``corpus``); (0, []) without a match. ``data`` is the
+    corpus packed; when the corpus is the request's own tokens, matches end before its last
+    token."""
+    end = (len(corpus) - 1) * _WIDTH if corpus is tokens else len(data)
+    size = _longest_suffix(data, tokens, end, max_depth)
+    if size == 0:
+        return 0, []
+    limit = min(k, max(1, int(max_spec_factor * size)))
+    return limit, _occurrences(data, array("i", tokens[-size:]).tobytes(), end)
+
+
 def speculate(
     data: bytes,
     tokens: Sequence[int],
@@ -84,21 +104,18 @@ def speculate(
     max_spec_factor: float,
     min_token_prob: float,
 ) -> Draft:
-    """The draft continuing ``tokens`` from ``corpus`` (``data`` its packed bytes; when the
-    corpus is the request's own tokens, matches must end before its last token)."""
+    """The draft continuing ``tokens`` from ``corpus`` (``data`` its packed bytes): the most
+    voted continuation of the occurrences ``match`` finds, token by token."""
     own = corpus is tokens
-    end = (len(corpus) - 1) * _WIDTH if own else len(data)
-    size = _longest_suffix(data, tokens, end, max_depth)
-    if size == 0:
+    limit, alive = match(data, tokens, corpus, k, max_depth, max_spec_factor)
+    if not alive:
         return NO_DRAFT
-    limit = min(k, max(1, int(max_spec_factor * size)))
-    alive = _occurrences(data, array("i", tokens[-size:]).tobytes(), end)
     draft: list[int] = []
     score, prob = 0.0, 1.0
     for i in range(limit):
         votes: dict[int, int] = {}
         for s in alive:  # latest first: on a tie the latest occurrence's token wins
-            if (t := _token(corpus, s + i, draft, own)) != _SEP:
+            if (t := token_at(corpus, s + i, draft, own)) != _SEP:
                 votes[t] = votes.get(t, 0) + 1
         if not votes:
             break
@@ -108,7 +125,7 @@ def speculate(
             break
         draft.append(token)
         score += prob
-        alive = [s for s in alive if _token(corpus, s + i, draft, own) == token]
+        alive = [s for s in alive if token_at(corpus, s + i, draft, own) == token]
     return Draft(draft, score)
 
 
@@ -133,7 +150,7 @@ class SuffixParams:
     min_token_prob: float = 0.1
 
 
-def _token(corpus: Sequence[int], j: int, draft: list[int], own: bool) -> int:
+def token_at(corpus: Sequence[int], j: int, draft: list[int], own: bool) -> int:
     """Token ``j`` of the corpus; past the end of the request's own tokens, the draft so far
     (a continuation that runs into the request's end goes on as the draft predicts it: a
     repeating text repeats on), else _SEP."""

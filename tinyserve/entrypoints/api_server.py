@@ -65,12 +65,12 @@ def _router() -> APIRouter:
     @api.post("/v1/chat/completions", response_model=P.ChatCompletionResponse)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         """Chat completion; `stream: true` answers with `text/event-stream` chunks."""
-        return await request.app.state.serving_chat.handle(body, request)
+        return await request.app.state.serving_chat.create(body, request)
 
     @api.post("/v1/completions", response_model=P.CompletionResponse)
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         """Text completion; `stream: true` answers with `text/event-stream` chunks."""
-        return await request.app.state.serving_completion.handle(body, request)
+        return await request.app.state.serving_completion.create(body, request)
 
     @api.get("/v1/models", response_model=P.ModelList)
     async def models(request: Request) -> P.ModelList:

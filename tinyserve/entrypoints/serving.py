@@ -1,11 +1,12 @@
-"""The base of every API handler: the steps a request takes whatever its API, in order.
+"""The base of every API handler: the steps every API shares, as methods its class calls.
 
-``OpenAIServing.handle`` is the whole walk: check the model -> ``prepare`` (the API's own
-fields: validate, SamplingParams, prompt token ids; a ``Job``) -> log -> ``add`` (compile
-the grammar off the loop, submit to the engine) -> ``submitted`` (a hook) -> stream
-(``sse_response``: ``chunks`` is the one SSE skeleton, ``stream_chunks`` the API's part of
-it) or collect (``response``). One small class per API fills in those hooks:
-serving_chat.py, serving_completion.py, serving_responses.py, serving_tokens.py.
+Each API's class (serving_chat.py, serving_completion.py, serving_responses.py,
+serving_messages.py, serving_tokens.py) drives its own request in one method, ``create``:
+``check_request`` (the model, unknown fields) -> its own ``prepare`` (validate, SamplingParams,
+prompt token ids: a ``Job``) -> ``submit`` (log, compile the grammar off the loop, add to the
+engine) -> stream (``sse`` of its own chunks, framed by streaming.ChunkFrame for the OpenAI
+APIs) or ``collect`` and its own ``response``. The arrows point one way: an API's class calls
+down into this base, which never calls back into it (tests/entrypoints/test_serving_walk.py).
 
 Shared here so that it is written once: the tokenizer and chat template, the common
 sampling fields, a response format as a grammar (``format_constraint``: chat's
@@ -18,13 +19,12 @@ token strings for logprobs. Templating and tokenising of large inputs run in a w
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream, QueueFullError
 from tinyserve.entrypoints import protocol as P
@@ -36,19 +36,16 @@ from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
 from tinyserve.entrypoints.streaming import (
     Choice,
-    RunningUsage,
+    ChunkFrame,
     collect,
     engine_error,
-    finish_reason_of,
-    outputs,
     sse,
     until_disconnect,
-    usage_info,
 )
 from tinyserve.entrypoints.tool_formats import calls_check, tool_format
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
-from tinyserve.outputs import StepOutput, Usage
+from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyserve.structured.strict import closed_objects
 
@@ -71,10 +68,7 @@ class Job:
 
 
 class OpenAIServing:
-    """The shared steps; an API subclass implements ``prepare`` and ``response`` (and, to
-    stream, ``stream_chunks``, or ``sse_response`` for a framing of its own)."""
-
-    chunk_object = ""  # the streamed chunks' "object"
+    """The shared steps, called by each API's class; none of them calls back into it."""
 
     def __init__(
         self,
@@ -97,72 +91,39 @@ class OpenAIServing:
         self.shutdown_grace_period = shutdown_grace_period
         self._token_str_cache: dict[int, str] = {}
 
-    # -- the walk ------------------------------------------------------------------------------
+    # -- the shared steps ---------------------------------------------------------------------
 
-    async def handle(self, req: Any, raw: Request) -> Response:
+    def check_request(self, req: Any) -> None:
+        """The model it names (a 404) and fields no handler reads (request_fields.py)."""
         self.check_model(req.model)
+        check_extra_fields(req)
+
+    async def submit(self, job: Job, req: Any) -> OutputStream:
+        """Log the request (when asked), compile its grammar off the loop and add it to the
+        engine; errors map to HTTP."""
+        if self.log_requests:
+            logger.info("request %s: %s", job.request_id, req.model_dump_json(exclude_none=True))
         try:
-            check_extra_fields(req)
-            job = await self.prepare(req, raw)
-            self.log_request(job.request_id, req)
-            stream = await self.add(job)
-        except OpenAIError as e:
-            raise self.api_error(e) from None
-        try:
-            await self.submitted(job, stream)
-        except BaseException:
-            stream.abort()
-            raise
-        if job.stream:
-            return self.sse_response(job, stream)
-        choices, usage = await until_disconnect(raw, collect(stream), stream)
-        return JSONResponse(self.response(job, choices, usage))
+            await self.engine.prepare(job.params)
+            return self.engine.add_request(job.request_id, job.prompts, job.params)
+        except ValueError as e:
+            raise bad_request(e) from None
+        except (QueueFullError, EngineDeadError) as e:
+            raise engine_error(e) from None
 
-    async def prepare(self, req: Any, raw: Request) -> Job:
-        raise NotImplementedError
+    async def collect(
+        self, raw: Request, stream: OutputStream
+    ) -> tuple[list[Choice], Usage | None]:
+        """The whole answer; the request is aborted if the client goes away first."""
+        return await until_disconnect(raw, collect(stream), stream)
 
-    async def submitted(self, job: Job, stream: OutputStream) -> None:
-        """After the engine took the request (it validated the token ids); a failure here
-        aborts it."""
+    def sse(self, events: AsyncIterator[dict[str, Any]], typed: bool = False) -> Response:
+        """A ``text/event-stream`` of ``events``; on SIGTERM it gets the grace period."""
+        return sse(events, self.shutdown_grace_period, typed=typed)
 
-    def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def api_error(self, e: OpenAIError) -> OpenAIError:
-        """An error of the shared steps, in this API's terms (its field names)."""
-        return e
-
-    # -- streaming: one skeleton ---------------------------------------------------------------
-
-    def sse_response(self, job: Job, stream: OutputStream) -> Response:
-        return sse(self.chunks(job, stream), self.shutdown_grace_period)
-
-    async def chunks(self, job: Job, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
-        """``data:`` chunks: the API's opening chunks, its chunks for each engine output, and
-        with ``include_usage`` one last chunk with no choices and the usage (OpenAI's
-        contract: every other chunk says ``"usage": null``, or with vLLM's
-        ``continuous_usage_stats`` the counts so far)."""
-        head = {"id": job.request_id, "object": self.chunk_object, "created": int(time.time())}
-        head["model"] = self.model_name
-        so_far = RunningUsage()
-        for chunk in self.stream_start(job, head):
-            yield so_far.mark(job, chunk)
-        usage = None
-        async for out in outputs(stream):
-            usage = out.usage or usage
-            so_far.add(out)
-            for chunk in self.stream_chunks(job, head, out, finish_reason_of(out)):
-                yield so_far.mark(job, chunk)
-        if job.include_usage:
-            yield {**head, "choices": [], "usage": usage_info(usage).model_dump()}
-
-    def stream_start(self, job: Job, head: dict[str, Any]) -> list[dict[str, Any]]:
-        return []
-
-    def stream_chunks(
-        self, job: Job, head: dict[str, Any], out: StepOutput, finish: str | None
-    ) -> list[dict[str, Any]]:
-        raise NotImplementedError
+    def chunk_frame(self, job: Job, chunk_object: str) -> ChunkFrame:
+        """The frame of an OpenAI stream (streaming.ChunkFrame) for ``job``."""
+        return ChunkFrame.start(job, chunk_object, self.model_name)
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -315,21 +276,7 @@ class OpenAIServing:
         fmt = tool_format(self.tokenizer) if tools else None
         return {"skip_special_tokens": False} if fmt and fmt.keeps_special_tokens else {}
 
-    # -- submitting ----------------------------------------------------------------------------
-
-    def log_request(self, request_id: str, req: Any) -> None:
-        if self.log_requests:
-            logger.info("request %s: %s", request_id, req.model_dump_json(exclude_none=True))
-
-    async def add(self, job: Job) -> OutputStream:
-        """Prepare (compile a grammar, off the loop) and add a request; errors map to HTTP."""
-        try:
-            await self.engine.prepare(job.params)
-            return self.engine.add_request(job.request_id, job.prompts, job.params)
-        except ValueError as e:
-            raise bad_request(e) from None
-        except (QueueFullError, EngineDeadError) as e:
-            raise engine_error(e) from None
+    # -- answers --------------------------------------------------------------------------------
 
     def thinks(self, template_kwargs: dict[str, Any] | None) -> bool:
         """Whether this chat answer's <think> block is split off (reasoning.py)."""

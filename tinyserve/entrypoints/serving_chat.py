@@ -1,16 +1,19 @@
 """/v1/chat/completions: messages -> chat template -> prompt ids; tools (tool_formats.py:
 the template's own call format or tools.py's JSON envelope, grammar-enforced); responses and SSE
-chunks, in which content and tool-call deltas stream as generated (tool_stream.py). The
-shared steps are serving.py's."""
+chunks, in which content and tool-call deltas stream as generated (tool_stream.py).
+``ChatServing.create`` is the walk; the shared steps it calls are serving.py's."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
+from tinyserve.engine.client import OutputStream
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints import reasoning as R
@@ -29,9 +32,16 @@ class ChatJob(Job):
 
 
 class ChatServing(OpenAIServing):
-    chunk_object = "chat.completion.chunk"
+    async def create(self, req: P.ChatCompletionRequest, raw: Request) -> Response:
+        """validate -> params -> prompt (``prepare``) -> submit -> stream or collect."""
+        self.check_request(req)
+        job = await self.prepare(req)
+        stream = await self.submit(job, req)
+        if job.stream:
+            return self.sse(self.chunks(job, stream))
+        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
 
-    async def prepare(self, req: P.ChatCompletionRequest, raw: Request) -> ChatJob:
+    async def prepare(self, req: P.ChatCompletionRequest) -> ChatJob:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs=true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -96,8 +106,17 @@ class ChatServing(OpenAIServing):
         )  # fmt: skip
         return P.dump(result)
 
-    def stream_start(self, job: Job, head: dict[str, Any]) -> list[dict[str, Any]]:
-        return [_chunk(head, i, {"role": "assistant", "content": ""}) for i in range(job.params.n)]
+    async def chunks(self, job: ChatJob, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
+        """``data:`` chunks: each choice's role first, then its deltas (ChunkFrame: the
+        head, the usage)."""
+        frame = self.chunk_frame(job, "chat.completion.chunk")
+        for i in range(job.params.n):
+            yield frame.mark(_chunk(frame.head, i, {"role": "assistant", "content": ""}))
+        async for out, finish in frame.outputs(stream):
+            for chunk in self.stream_chunks(job, frame.head, out, finish):
+                yield frame.mark(chunk)
+        for chunk in frame.end():
+            yield chunk
 
     def stream_chunks(
         self, job: ChatJob, head: dict[str, Any], out: StepOutput, finish: str | None

@@ -1,15 +1,18 @@
 """/v1/completions: prompts as text, token ids or lists of either (one engine request for all
 of them; the engine numbers the choices prompt_index * n + sample_index, as OpenAI);
-``echo`` puts each prompt's text before its choices. The shared steps are serving.py's."""
+``echo`` puts each prompt's text before its choices. ``CompletionServing.create`` is the walk;
+the shared steps it calls are serving.py's."""
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from tinyserve.engine.client import OutputStream
 from tinyserve.entrypoints import protocol as P
@@ -30,9 +33,23 @@ class CompletionJob(Job):
 
 
 class CompletionServing(OpenAIServing):
-    chunk_object = "text_completion"
+    async def create(self, req: P.CompletionRequest, raw: Request) -> Response:
+        """validate -> params -> prompts (``prepare``) -> submit -> the echoed texts -> stream
+        or collect."""
+        self.check_request(req)
+        job = await self.prepare(req)
+        stream = await self.submit(job, req)
+        try:  # decoded once the engine has checked the token ids
+            job.echo_texts = await off_loop(job.input_size, self._echo_texts, job.prompts,
+                                            job.echo)  # fmt: skip
+        except BaseException:
+            stream.abort()
+            raise
+        if job.stream:
+            return self.sse(self.chunks(job, stream))
+        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
 
-    async def prepare(self, req: P.CompletionRequest, raw: Request) -> CompletionJob:
+    async def prepare(self, req: P.CompletionRequest) -> CompletionJob:
         if req.suffix:
             raise bad_request("suffix: not supported", "suffix")
         so = self.constraint(req, response_format(req), "response_format", [])
@@ -64,10 +81,6 @@ class CompletionServing(OpenAIServing):
             return [self.encode(p) for p in prompt]
         return [list(p) for p in prompt]
 
-    async def submitted(self, job: CompletionJob, stream: OutputStream) -> None:
-        """The echoed texts, decoded once the engine has checked the token ids."""
-        job.echo_texts = await off_loop(job.input_size, self._echo_texts, job.prompts, job.echo)
-
     def _echo_texts(self, prompts: list[list[int]], echo: bool) -> list[str]:
         return [self.tokenizer.decode(p) if echo else "" for p in prompts]
 
@@ -92,6 +105,18 @@ class CompletionServing(OpenAIServing):
             usage=usage_info(usage),
         )  # fmt: skip
         return P.dump(result)
+
+    async def chunks(
+        self, job: CompletionJob, stream: OutputStream
+    ) -> AsyncIterator[dict[str, Any]]:
+        """``data:`` chunks, each choice's first with its echo (ChunkFrame: the head, the
+        usage)."""
+        frame = self.chunk_frame(job, "text_completion")
+        async for out, finish in frame.outputs(stream):
+            for chunk in self.stream_chunks(job, frame.head, out, finish):
+                yield frame.mark(chunk)
+        for chunk in frame.end():
+            yield chunk
 
     def stream_chunks(
         self, job: CompletionJob, head: dict[str, Any], out: StepOutput, finish: str | None

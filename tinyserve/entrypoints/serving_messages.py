@@ -25,7 +25,6 @@ from tinyserve.entrypoints.streaming import (
     finish_reason_of,
     off_loop,
     outputs,
-    sse,
     stream_deltas,
 )
 from tinyserve.outputs import Usage
@@ -33,7 +32,16 @@ from tinyserve.sampling_params import SamplingParams
 
 
 class MessagesServing(OpenAIServing):
-    async def prepare(self, req: A.MessagesRequest, raw: Request) -> Job:
+    async def create(self, req: A.MessagesRequest, raw: Request) -> Response:
+        """validate -> params -> prompt (``prepare``) -> submit -> events or the message."""
+        self.check_request(req)
+        job = await self.prepare(req)
+        stream = await self.submit(job, req)
+        if job.stream:
+            return self.sse(self._events(job, stream), typed=True)
+        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
+
+    async def prepare(self, req: A.MessagesRequest) -> Job:
         prompt_ids, tools, choice, parallel = await self._prompt(req)
         if req.max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", "max_tokens")
@@ -75,9 +83,6 @@ class MessagesServing(OpenAIServing):
         blocks, reason, sequence = self._answer(job, choices[0])
         return A.message(job.request_id, self.model_name, blocks, reason, sequence,
                          usage.prompt_tokens, usage.completion_tokens)  # fmt: skip
-
-    def sse_response(self, job: Job, stream: OutputStream) -> Response:
-        return sse(self._events(job, stream), self.shutdown_grace_period, typed=True)
 
     async def _events(self, job: Job, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
         head = A.message(job.request_id, self.model_name, [], None, None, len(job.prompts[0]), 0)
@@ -149,7 +154,7 @@ def messages_router() -> APIRouter:
     @api.post("/v1/messages")
     async def create_message(body: A.MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API; ``stream: true`` answers with its typed events."""
-        return await request.app.state.serving_messages.handle(body, request)
+        return await request.app.state.serving_messages.create(body, request)
 
     @api.post("/v1/messages/count_tokens", response_model=A.CountTokensResponse)
     async def count_tokens(body: A.CountTokensRequest, request: Request) -> Response:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailedError
 from tinyserve.entrypoints import reasoning as R
@@ -39,7 +39,6 @@ from tinyserve.entrypoints.streaming import (
     finish_reason_of,
     off_loop,
     outputs,
-    sse,
     stream_deltas,
 )
 from tinyserve.outputs import Usage
@@ -54,6 +53,21 @@ class ResponsesJob(Job):
 class ResponsesServing(OpenAIServing):
     """The Responses API over the shared steps and the chat template; its own answer (output
     items, typed events) is responses_stream.ResponseBuilder's."""
+
+    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        """validate -> params -> prompt (``prepare``) -> submit -> typed events or the
+        response object."""
+        self.check_model(req.model)
+        try:
+            self.check_request(req)
+            job = await self.prepare(req, raw)
+            stream = await self.submit(job, req)
+        except OpenAIError as e:
+            raise _in_own_terms(e) from None
+        if job.stream:
+            parser = self.tool_stream() if job.tools else None
+            return self.sse(self._events(job, stream, parser), typed=True)
+        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
 
     async def prepare(self, req: ResponsesRequest, raw: Request) -> ResponsesJob:
         req.check_stateless()
@@ -84,13 +98,6 @@ class ResponsesServing(OpenAIServing):
         return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
                             builder=builder, splitter=splitter)  # fmt: skip
 
-    def api_error(self, e: OpenAIError) -> OpenAIError:
-        """A 400 naming ``max_tokens`` names this API's field, max_output_tokens."""
-        if e.param == "max_tokens":
-            e.param = "max_output_tokens"
-            e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
-        return e
-
     def response(
         self, job: ResponsesJob, choices: list[Choice], usage: Usage | None
     ) -> dict[str, Any]:
@@ -100,10 +107,6 @@ class ResponsesServing(OpenAIServing):
         list(_answer_events(job, parser, choice.text, choice.finish_reason))  # events dropped
         job.builder.finish(choice.finish_reason, usage)
         return dump(job.builder.response)
-
-    def sse_response(self, job: ResponsesJob, stream: OutputStream) -> Response:
-        parser = self.tool_stream() if job.tools else None
-        return sse(self._events(job, stream, parser), self.shutdown_grace_period, typed=True)
 
     async def _events(
         self, job: ResponsesJob, stream: OutputStream, parser: Any
@@ -138,6 +141,15 @@ def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None
         yield from job.builder.chat_delta(delta)
 
 
+def _in_own_terms(e: OpenAIError) -> OpenAIError:
+    """A 400 of the shared steps naming ``max_tokens`` names this API's field,
+    max_output_tokens."""
+    if e.param == "max_tokens":
+        e.param = "max_output_tokens"
+        e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
+    return e
+
+
 def _body_size(raw: Request) -> int:
     length = raw.headers.get("content-length", "")
     return int(length) if length.isdigit() else 0
@@ -153,7 +165,7 @@ def responses_router() -> APIRouter:
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """A model response (stateless); ``stream: true`` answers with typed
         ``text/event-stream`` events (``event: response.created`` ...)."""
-        return await request.app.state.serving_responses.handle(body, request)
+        return await request.app.state.serving_responses.create(body, request)
 
     @api.get("/v1/responses/{response_id}", responses={404: {"model": ErrorResponse}})
     async def get_response(response_id: str) -> Response:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,22 +74,45 @@ class Choice:
 
 
 @dataclass
-class RunningUsage:
-    """A streamed request's token counts so far: each prompt once, every choice's output;
-    ``mark`` puts them on a chunk as the job's ``stream_options`` ask (serving.py ``Job``)."""
+class ChunkFrame:
+    """The frame of an OpenAI stream (chat and completions) around the API's own chunks: each
+    chunk's head (id, object, created, model); the token counts so far (each prompt once,
+    every choice's output), put on each chunk as the job's ``stream_options`` ask
+    (``"usage": null``, or with vLLM's ``continuous_usage_stats`` the counts); and with
+    ``include_usage`` one last chunk with no choices and the request's usage (serving.py
+    ``Job``)."""
 
-    outputs: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+    job: Any
+    head: dict[str, Any]
+    counts: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
     cached: int = 0
+    usage: Usage | None = None
 
-    def add(self, out: StepOutput) -> None:
-        self.outputs[out.index] = out.num_output_tokens
-        self.cached = max(self.cached, out.num_cached_tokens)
+    @classmethod
+    def start(cls, job: Any, chunk_object: str, model: str) -> ChunkFrame:
+        head = {"id": job.request_id, "object": chunk_object, "created": int(time.time())}
+        return cls(job, {**head, "model": model})
 
-    def mark(self, job, chunk: dict[str, Any]) -> dict[str, Any]:
+    async def outputs(self, stream: OutputStream) -> AsyncIterator[tuple[StepOutput, str | None]]:
+        """The request's outputs (``outputs``), each with its finish reason, counted."""
+        async for out in outputs(stream):
+            self.usage = out.usage or self.usage
+            self.counts[out.index] = out.num_output_tokens
+            self.cached = max(self.cached, out.num_cached_tokens)
+            yield out, finish_reason_of(out)
+
+    def mark(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        job = self.job
         if job.include_usage:
-            usage = Usage(sum(map(len, job.prompts)), sum(self.outputs.values()), self.cached)
+            usage = Usage(sum(map(len, job.prompts)), sum(self.counts.values()), self.cached)
             chunk["usage"] = usage_info(usage).model_dump() if job.continuous_usage else None
         return chunk
+
+    def end(self) -> list[dict[str, Any]]:
+        """The last chunk, with ``include_usage``."""
+        if not self.job.include_usage:
+            return []
+        return [{**self.head, "choices": [], "usage": usage_info(self.usage).model_dump()}]
 
 
 # -- helpers shared by chat and completions ------------------------------------------------------

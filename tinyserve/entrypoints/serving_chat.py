@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -106,17 +107,13 @@ class ChatServing(OpenAIServing):
         )  # fmt: skip
         return P.dump(result)
 
-    async def chunks(self, job: ChatJob, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
-        """``data:`` chunks: each choice's role first, then its deltas (ChunkFrame: the
+    def chunks(self, job: ChatJob, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
+        """``data:`` chunks: each choice's role first, then its deltas (in a ChunkFrame: the
         head, the usage)."""
         frame = self.chunk_frame(job, "chat.completion.chunk")
-        for i in range(job.params.n):
-            yield frame.mark(_chunk(frame.head, i, {"role": "assistant", "content": ""}))
-        async for out, finish in frame.outputs(stream):
-            for chunk in self.stream_chunks(job, frame.head, out, finish):
-                yield frame.mark(chunk)
-        for chunk in frame.end():
-            yield chunk
+        roles = [_chunk(frame.head, i, {"role": "assistant", "content": ""})
+                 for i in range(job.params.n)]  # fmt: skip
+        return frame.chunks(stream, partial(self.stream_chunks, job, frame.head), roles)
 
     def stream_chunks(
         self, job: ChatJob, head: dict[str, Any], out: StepOutput, finish: str | None

@@ -9,6 +9,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -106,17 +107,11 @@ class CompletionServing(OpenAIServing):
         )  # fmt: skip
         return P.dump(result)
 
-    async def chunks(
-        self, job: CompletionJob, stream: OutputStream
-    ) -> AsyncIterator[dict[str, Any]]:
-        """``data:`` chunks, each choice's first with its echo (ChunkFrame: the head, the
+    def chunks(self, job: CompletionJob, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
+        """``data:`` chunks, each choice's first with its echo (in a ChunkFrame: the head, the
         usage)."""
         frame = self.chunk_frame(job, "text_completion")
-        async for out, finish in frame.outputs(stream):
-            for chunk in self.stream_chunks(job, frame.head, out, finish):
-                yield frame.mark(chunk)
-        for chunk in frame.end():
-            yield chunk
+        return frame.chunks(stream, partial(self.stream_chunks, job, frame.head))
 
     def stream_chunks(
         self, job: CompletionJob, head: dict[str, Any], out: StepOutput, finish: str | None

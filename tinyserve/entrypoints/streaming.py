@@ -93,13 +93,24 @@ class ChunkFrame:
         head = {"id": job.request_id, "object": chunk_object, "created": int(time.time())}
         return cls(job, {**head, "model": model})
 
-    async def outputs(self, stream: OutputStream) -> AsyncIterator[tuple[StepOutput, str | None]]:
-        """The request's outputs (``outputs``), each with its finish reason, counted."""
+    async def chunks(
+        self,
+        stream: OutputStream,
+        per_output: Callable[[StepOutput, str | None], list[dict[str, Any]]],
+        opening: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The API's ``opening`` chunks, its chunks for each output (``per_output(out,
+        finish_reason)``), then the usage chunk; each marked with the counts so far."""
+        for chunk in opening or []:
+            yield self.mark(chunk)
         async for out in outputs(stream):
             self.usage = out.usage or self.usage
             self.counts[out.index] = out.num_output_tokens
             self.cached = max(self.cached, out.num_cached_tokens)
-            yield out, finish_reason_of(out)
+            for chunk in per_output(out, finish_reason_of(out)):
+                yield self.mark(chunk)
+        if self.job.include_usage:
+            yield {**self.head, "choices": [], "usage": usage_info(self.usage).model_dump()}
 
     def mark(self, chunk: dict[str, Any]) -> dict[str, Any]:
         job = self.job
@@ -107,12 +118,6 @@ class ChunkFrame:
             usage = Usage(sum(map(len, job.prompts)), sum(self.counts.values()), self.cached)
             chunk["usage"] = usage_info(usage).model_dump() if job.continuous_usage else None
         return chunk
-
-    def end(self) -> list[dict[str, Any]]:
-        """The last chunk, with ``include_usage``."""
-        if not self.job.include_usage:
-            return []
-        return [{**self.head, "choices": [], "usage": usage_info(self.usage).model_dump()}]
 
 
 # -- helpers shared by chat and completions ------------------------------------------------------

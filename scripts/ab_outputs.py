@@ -57,6 +57,9 @@ def offline() -> list:
 
 
 def _sse(client: httpx.Client, path: str, body: dict) -> list:
+    """Each choice's streamed text and finish reasons, joined: how tokens fall into chunks
+    depends on timing (a slow reader gets several outputs in one chunk; speculation's
+    verified runs), what they spell does not."""
     events = []
     with client.stream("POST", path, json={**body, "stream": True}) as r:
         for line in r.iter_lines():
@@ -64,7 +67,17 @@ def _sse(client: httpx.Client, path: str, body: dict) -> list:
                 chunk = json.loads(line[6:])
                 for c in chunk["choices"]:
                     events.append([c["index"], c.get("text", c.get("delta")), c["finish_reason"]])
-    return events
+    return _joined(events)
+
+
+def _joined(events: list) -> list:
+    out: dict[int, list] = {}
+    for index, piece, finish in events:
+        text, reasons = out.setdefault(index, ["", []])
+        if isinstance(piece, dict):
+            piece = (piece.get("role") or "") + (piece.get("content") or "")
+        out[index] = [text + (piece or ""), reasons + ([finish] if finish else [])]
+    return [[i, *out[i]] for i in sorted(out)]
 
 
 def served() -> list:

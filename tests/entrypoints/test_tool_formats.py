@@ -67,6 +67,8 @@ def test_each_family_template_gives_its_format(templated, smollm2_tokenizer):
     assert tool_format(smollm2_tokenizer) is None  # ChatML without tools: the JSON envelope
     for name, expected in FAMILIES.items():
         assert tool_format(templated(name)).name == expected, name
+    assert tool_format(templated(SMALL)).id_marker == "[CALL_ID]"  # past calls carry their ids
+    assert tool_format(templated(NAMED)).id_marker == ""
 
 
 def _past_call_prompt(tokenizer) -> str:
@@ -107,6 +109,8 @@ TWO = ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
 LLAMA_CALL = '{"name": "get_time", "parameters": {"tz": "CET"}}'
 NAMED = "mistralai-Ministral-3-14B-Reasoning-2512"
 NAMED_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+SMALL = "Mistral-Small-3.2-24B-Instruct-2506"
+ID_CALL = '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "UTC"}'
 GRAMMAR_CASES = [  # (template, choice, parallel, text, ends with eos, accepted)
     ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "Some text [TOOL_CALL", True, True),
     ("mistralai-Mistral-Nemo-Instruct-2407", "auto", True, "Let me see." + MISTRAL_CALL, True, True),
@@ -129,6 +133,11 @@ GRAMMAR_CASES = [  # (template, choice, parallel, text, ends with eos, accepted)
     (NAMED, "required", True, '[TOOL_CALLS]get_time[ARGS]{"tz": "PST"}', False, False),
     (NAMED, "required", True, '[TOOL_CALLS]send_mail[ARGS]{}', False, False),
     (NAMED, "auto", True, "[TOOL_CALLS]get_weather", True, False),
+    (NAMED, "required", True, ID_CALL, True, False),  # Ministral 3's template writes no ids
+    (SMALL, "required", True, ID_CALL, True, True),  # Mistral Small 3.2's does: the model may
+    (SMALL, "required", True, NAMED_CALL + ID_CALL, True, True),  # or may not
+    (SMALL, "required", True, ID_CALL.replace("a1B2c3D4e", "a1B2"), False, False),  # 9 or none
+    (SMALL, "required", True, ID_CALL.replace("a1B2c3D4e", "a1B2c3D4_"), False, False),
     ("meta-llama-Llama-3.2-3B-Instruct", "required", True, LLAMA_CALL, True, True),
     ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, LLAMA_CALL, True, True),
     ("meta-llama-Llama-3.2-3B-Instruct", "auto", True, "It is sunny {really}.", True, True),
@@ -152,6 +161,8 @@ def test_grammar_takes_the_family_form_only(templated, name, choice, parallel, t
 MISTRAL = MarkedFormat("mistral", "[TOOL_CALLS]", True)
 LLAMA = MarkedFormat("llama3", "", False, "parameters")
 V11 = MarkedFormat("mistral", "[TOOL_CALLS]", False, args_marker="[ARGS]")
+V11_IDS = MarkedFormat("mistral", "[TOOL_CALLS]", False, id_length=9, args_marker="[ARGS]",
+                       id_marker="[CALL_ID]")  # fmt: skip
 PARSE_CASES = [  # (format, text, content, [(name, arguments)])
     (MISTRAL, "Let me see. " + MISTRAL_CALL, "Let me see.", [("get_weather", '{"city": "Oslo"}')]),
     (MISTRAL, "[TOOL_CALLS]" + TWO, None,
@@ -165,6 +176,11 @@ PARSE_CASES = [  # (format, text, content, [(name, arguments)])
     (V11, "[TOOL_CALLS]bad name[ARGS]{}", "[TOOL_CALLS]bad name[ARGS]{}", []),
     (V11, "[TOOL_CALLS]f[ARGS]nope", "[TOOL_CALLS]f[ARGS]nope", []),
     (V11, NAMED_CALL + " done", "done", [("get_weather", '{"city": "Oslo"}')]),
+    (V11_IDS, "Checking. " + ID_CALL + NAMED_CALL, "Checking.",
+     [("get_time", '{"tz": "UTC"}'), ("get_weather", '{"city": "Oslo"}')]),
+    (V11_IDS, "[TOOL_CALLS]f[CALL_ID]a-b[ARGS]{}", "[TOOL_CALLS]f[CALL_ID]a-b[ARGS]{}", []),
+    (V11_IDS, "[TOOL_CALLS]f[CALL_ID][ARGS]{}", "[TOOL_CALLS]f[CALL_ID][ARGS]{}", []),
+    (V11, ID_CALL, ID_CALL, []),  # no ids in the format: not a call
     (LLAMA, "  " + LLAMA_CALL, None, [("get_time", '{"tz": "CET"}')]),
     (LLAMA, "<|python_tag|>" + LLAMA_CALL, None, [("get_time", '{"tz": "CET"}')]),
     (LLAMA, "The answer is {x}.", "The answer is {x}.", []),
@@ -219,7 +235,8 @@ def test_a_special_token_marker_is_named_in_the_grammar_and_kept(smollm2_gguf_pa
 @pytest.fixture(scope="module", params=["mistralai-Mistral-Nemo-Instruct-2407",
                                         "ibm-granite-granite-3.3-2B-Instruct",
                                         "meta-llama-Llama-3.2-3B-Instruct",
-                                        "mistralai-Ministral-3-14B-Reasoning-2512"])  # fmt: skip
+                                        "mistralai-Ministral-3-14B-Reasoning-2512",
+                                        SMALL])  # fmt: skip
 def family_server(request, smollm2_gguf_path, tmp_path_factory):
     from tinyserve.models.default_model import tokenizer_dir_for
     from tinyserve.testing.checkpoints import build_fuzz_model
@@ -240,12 +257,17 @@ def family_server(request, smollm2_gguf_path, tmp_path_factory):
         yield FAMILIES[request.param], s
 
 
+# Mistral Small 3.2's template writes a 680-token default system prompt where none is given:
+# past the test model's 512-token context.
+SYSTEM = [{"role": "system", "content": "You call tools."}]
+
+
 def test_forced_calls_come_back_as_tool_calls_that_validate(family_server):
     name, server = family_server
     finished = 0
     with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0) as c:
         request = dict(model=server.async_engine.info.model_name, tools=[WEATHER, TIME],
-                       messages=[{"role": "user", "content": "Weather and time?"}],
+                       messages=[*SYSTEM, {"role": "user", "content": "Weather and time?"}],
                        tool_choice="required", max_tokens=120, temperature=1.0)  # fmt: skip
         finished = same_when_streamed(c, range(3), **request)
         for seed in range(3):
@@ -284,7 +306,8 @@ def test_a_call_breaking_a_dropped_keyword_is_a_400_streamed_or_not(family_serve
     name, server = family_server
     body = {"model": server.async_engine.info.model_name, "max_tokens": 150, "tools": [PAIR],
             "seed": 0,
-            "messages": [{"role": "user", "content": "two ones"}], "tool_choice": "required"}  # fmt: skip
+            "messages": [*SYSTEM, {"role": "user", "content": "two ones"}],
+            "tool_choice": "required"}  # fmt: skip
     r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
     assert r.status_code == 400, (name, r.text)
     err = r.json()["error"]

@@ -10,7 +10,8 @@ hermes     ``<tool_call>{"name", "arguments"}</tool_call>`` blocks      ``<tool_
            (Qwen2.5/3, SmolLM3, Hermes; tools.py)
 mistral    ``[TOOL_CALLS][{"name", "arguments"}, ...]``, or in v11+         ``[TOOL_CALLS]``
            templates (``[ARGS]`` in them) ``[TOOL_CALLS]name[ARGS]{...}``
-           per call, back to back
+           per call, back to back (Mistral Small 3.2: ``name[CALL_ID]id[ARGS]``,
+           the id optional)
 granite    ``<|tool_call|>[{"name", "arguments"}, ...]``                 ``<|tool_call|>``
 llama3     ``{"name", "parameters"}``, the whole answer (one call)      ``"parameters"``
 =========  ===========================================================  ======================
@@ -59,10 +60,12 @@ class MarkedFormat:
     id_length: int | None = None  # Mistral: tool call ids of 9 alphanumerics
     args_marker: str = ""  # Mistral v11+: each call is MARKER name ARGS_MARKER {arguments}
     args_marker_id: int | None = None
+    id_marker: str = ""  # Mistral Small 3.2: name [CALL_ID] 9 alphanumerics [ARGS] ... (optional)
+    id_marker_id: int | None = None
 
     @property
     def keeps_special_tokens(self) -> bool:
-        return self.marker_id is not None or self.args_marker_id is not None
+        return any(i is not None for i in (self.marker_id, self.args_marker_id, self.id_marker_id))
 
     def grammar(self, tools: list[T.Tool], choice, parallel: bool, open_args: bool) -> str:
         """llguidance Lark: ``required`` / named, the answer is the calls; ``auto``, free text
@@ -93,9 +96,13 @@ class MarkedFormat:
         return "\n".join(lines)
 
     def _named_grammar(self, tools: list[T.Tool], auto: bool, many: bool, open_args: bool) -> str:
-        """``MARKER name ARGS {arguments}`` per call, the calls back to back."""
+        """``MARKER name ARGS {arguments}`` per call, the calls back to back; where the
+        template writes past calls with an id (``id_marker``), the model may write one too."""
         mark = _lark_literal(self.marker, self.marker_id)
         args = _lark_literal(self.args_marker, self.args_marker_id)
+        if self.id_marker:
+            call_id = _lark_literal(self.id_marker, self.id_marker_id)
+            args = f"({call_id} CALL_ID)? {args}"
         lines = [
             f"call{i}: {json.dumps(t.function.name)} {args} %json " + json.dumps({
                 "x-guidance": T.TOOL_JSON_OPTIONS,
@@ -103,6 +110,8 @@ class MarkedFormat:
             for i, t in enumerate(tools)
         ]  # fmt: skip
         lines.append("call: " + " | ".join(f"call{i}" for i in range(len(tools))))
+        if self.id_marker:
+            lines.append(f"CALL_ID: /[a-zA-Z0-9]{{{self.id_length}}}/")
         calls = "call"  # then at most MAX_PARALLEL_CALLS - 1 more, as the arrays' maxItems
         for _ in range(T.MAX_PARALLEL_CALLS - 1 if many else 0):
             calls = f"call ({mark} {calls})?"
@@ -115,7 +124,7 @@ class MarkedFormat:
 
     def stream(self) -> MarkedStream | NamedArgsStream:
         if self.args_marker:
-            return NamedArgsStream(self.marker, self.args_marker)
+            return NamedArgsStream(self.marker, self.args_marker, self.id_marker)
         return MarkedStream(self.marker, self.array, self.args_key)
 
     def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
@@ -222,11 +231,13 @@ def tool_format(tokenizer) -> ToolFormat | None:
         return None
     renders = "tool_calls" in text
     if "[TOOL_CALLS]" in text:  # Mistral: an array of calls, or (v11+) name[ARGS]{...} each
-        named = "[ARGS]" in text
+        named, ids = "[ARGS]" in text, "[ARGS]" in text and "[CALL_ID]" in text
         return MarkedFormat("mistral", "[TOOL_CALLS]", not named, renders_calls=renders,
                             marker_id=special_id(tokenizer, "[TOOL_CALLS]"), id_length=9,
                             args_marker="[ARGS]" if named else "",
-                            args_marker_id=special_id(tokenizer, "[ARGS]") if named else None)  # fmt: skip
+                            args_marker_id=special_id(tokenizer, "[ARGS]") if named else None,
+                            id_marker="[CALL_ID]" if ids else "",
+                            id_marker_id=special_id(tokenizer, "[CALL_ID]") if ids else None)  # fmt: skip
     if "<|tool_call|>" in text:
         return MarkedFormat("granite", "<|tool_call|>", True, renders_calls=renders,
                             marker_id=special_id(tokenizer, "<|tool_call|>"))  # fmt: skip

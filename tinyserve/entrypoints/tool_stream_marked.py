@@ -25,6 +25,7 @@ from tinyserve.entrypoints.tools import FunctionCall, ToolCall
 _WS = " \t\n\r"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it (kept special tokens)
 _NAME = re.compile(r"[a-zA-Z0-9_-]*")  # a function name as far as it has come
+_CALL_ID = re.compile(r"[a-zA-Z0-9]*")  # a Mistral call id (9 alphanumerics) so far
 
 
 class MarkedStream(BufferedStream):
@@ -118,11 +119,13 @@ class MarkedStream(BufferedStream):
 
 class NamedArgsStream(MarkedStream):
     """``MARKER name ARGS {arguments}`` per call (Mistral's v11+ templates): content until the
-    first marker, then calls back to back."""
+    first marker, then calls back to back. With ``id_marker`` (Mistral Small 3.2) a call may
+    carry the model's id, ``name ID_MARKER id ARGS``; the call keeps the server's own id, as
+    every other call does (a model may repeat an id from the conversation)."""
 
-    def __init__(self, marker: str, args_marker: str) -> None:
+    def __init__(self, marker: str, args_marker: str, id_marker: str = "") -> None:
         super().__init__(marker, False, "")
-        self._args_marker = args_marker
+        self._args_marker, self._id_marker = args_marker, id_marker
         self._calls = 0
         self._pending = ""  # the name read, until its arguments open
 
@@ -147,15 +150,27 @@ class NamedArgsStream(MarkedStream):
         at = self._buf.find(self._args_marker)
         if at < 0:
             head = self._buf[: len(self._buf) - partial_tag(self._buf, self._args_marker)]
-            return False if _NAME.fullmatch(head) else self._not_a_call()
-        name = self._buf[:at]
-        if not name or not _NAME.fullmatch(name):
+            return False if self._head_name(head, False) is not None else self._not_a_call()
+        name = self._head_name(self._buf[:at], True)
+        if not name:
             return self._not_a_call()
         self._pending = name  # named once its arguments open
         self._held += self._buf[: at + len(self._args_marker)]
         self._buf = self._buf[at + len(self._args_marker) :]
         self._mode, self._scan = "json", JsonScanner()
         return True
+
+    def _head_name(self, head: str, whole: bool) -> str | None:
+        """The function name in ``head`` (what came between the marker and ARGS, perhaps with
+        an id) as far as it has come; None where it cannot be a call's."""
+        name, call_id = head, ""
+        if self._id_marker and self._id_marker in head:
+            name, _, call_id = head.partition(self._id_marker)
+            if not _CALL_ID.fullmatch(call_id) or (whole and not call_id):
+                return None
+        elif self._id_marker and not whole:  # the id's marker may be arriving
+            name = head[: len(head) - partial_tag(head, self._id_marker)]
+        return name if _NAME.fullmatch(name) else None
 
     def _args(self) -> bool:
         events, used, self._buf = scan_more(self._scan, self._buf, "{")

@@ -57,7 +57,6 @@ class ResponsesServing(OpenAIServing):
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         """validate -> params -> prompt (``prepare``) -> submit -> typed events or the
         response object."""
-        self.check_model(req.model)
         try:
             self.check_request(req)
             job = await self.prepare(req, raw)

@@ -2,7 +2,8 @@
 """An agent loop, served (issue 40 deliver 5): suffix decoding on vs off, side by side.
 
 Two ``tinyserve serve`` processes on the default model (default flags, ``--max-num-seqs
-32``), one with ``--speculative-config '{"method": "suffix"}'``. Each agent session is a
+32``), one with ``--speculative-config`` ``--spec`` (``{"method": "suffix"}``; ``auto``
+is the server's default since d1720d7) and one with it ``off``. Each agent session is a
 multi-turn chat with tools (read_file, run_tests, edit_file): the client sends the
 conversation, appends the model's reply (its tool calls, or its text), then a scripted tool
 result — the session's source file, a test failure naming its functions — and asks again,
@@ -174,7 +175,9 @@ def main() -> int:
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench_agent_"))
     common = ["--max-num-seqs", "32", "--log-level", "warning"]
-    modes = {"off": common, "on": [*common, "--speculative-config", args.spec]}
+    # Off by name: speculation (suffix decoding) is on by default since d1720d7.
+    modes = {"off": [*common, "--speculative-config", "off"],
+             "on": [*common, "--speculative-config", args.spec]}  # fmt: skip
     if args.ngram:
         modes["ngram"] = [*common, "--speculative-config", NGRAM]
     for item in args.also:

@@ -1,9 +1,13 @@
 #!/usr/bin/env python
-"""Code editing with OpenAI's Predicted Outputs (issue 40): one stream, a real server on the
-default model, each request asking for a source file back with one small edit, sent with
-``prediction`` = the file and without it, interleaved, greedy. Reports per cell the
-completion tokens per second (min / median / max over the repetitions), that both answers
-are identical, and usage's accepted / rejected prediction tokens.
+"""Code editing with OpenAI's Predicted Outputs (issue 40): one stream, on the default model,
+each request asking for a source file back with one small edit, greedy, three ways,
+interleaved: ``off`` (a server with ``--speculative-config off``, no ``prediction``: no
+speculation at all), ``plain`` (a server at its default flags, suffix decoding on since
+d1720d7, no ``prediction``) and ``predicted`` (that server, ``prediction`` = the file).
+Reports per file the completion tokens per second (min / median / max over the
+repetitions), the speed-ups off -> predicted (issue 40's "on vs off") and plain ->
+predicted (what the prediction adds to the default), that all answers are identical, and
+usage's accepted / rejected prediction tokens.
 
   python benchmarks/bench_prediction.py [--repeats 3] [--out benchmarks/results/prediction.json]
 """
@@ -43,7 +47,7 @@ def main():
 if __name__ == "__main__":
     main()
 ''',
-    "stack.py": '''class Stack:
+    "stack.py": """class Stack:
     def __init__(self):
         self.items = []
 
@@ -60,8 +64,8 @@ if __name__ == "__main__":
 
     def __len__(self):
         return len(self.items)
-''',
-    "greet.js": '''function greet(name) {
+""",
+    "greet.js": """function greet(name) {
   const message = "Hello, " + name + "!";
   console.log(message);
   return message;
@@ -74,7 +78,7 @@ function greetAll(names) {
 }
 
 greetAll(["Ada", "Grace", "Linus"]);
-''',
+""",
 }
 EDITS = {"fib.py": "Rename the function fibonacci to fib.", "stack.py": "Rename the method peek to top.",
          "greet.js": 'Change the greeting "Hello, " to "Hi, ".'}  # fmt: skip
@@ -106,31 +110,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS / "prediction.json"))
     args = p.parse_args(argv)
-    server = start_server(["--log-level", "warning"], Path(args.out).with_suffix(".server.log"))
+    log = Path(args.out).with_suffix(".server.log")
+    servers = {
+        "off": start_server(
+            ["--log-level", "warning", "--speculative-config", "off"], log.with_suffix(".off.log")
+        ),  # fmt: skip
+        "default": start_server(["--log-level", "warning"], log),
+    }
+    ways = [("off", False), ("plain", False), ("predicted", True)]
     runs = []
+    clients = {k: httpx.Client(base_url=s.base_url, timeout=600) for k, s in servers.items()}
     try:
-        with httpx.Client(base_url=server.base_url, timeout=600) as c:
+        for c in clients.values():
             one(c, "fib.py", False)  # warm-up
-            for rep in range(args.repeats):
-                for name in FILES:  # interleaved, the order flipping each repetition
-                    for predicted in (rep % 2 == 0, rep % 2 != 0):
-                        runs.append({**one(c, name, predicted), "repeat": rep})
+        for rep in range(args.repeats):
+            for name in FILES:  # interleaved, the order rotating each repetition
+                for way, predicted in ways[rep % 3 :] + ways[: rep % 3]:
+                    c = clients["off" if way == "off" else "default"]
+                    runs.append({**one(c, name, predicted), "way": way, "repeat": rep})
     finally:
-        server.stop()
-    cells = {}
-    for name in FILES:
-        plain = [r for r in runs if r["file"] == name and not r["predicted"]]
-        pred = [r for r in runs if r["file"] == name and r["predicted"]]
-        speed = [a["seconds"] / b["seconds"] for a, b in zip(plain, pred, strict=True)]
-        cells[name] = {
-            "plain_tok_s": [min(r["tok_s"] for r in plain), statistics.median(r["tok_s"] for r in plain), max(r["tok_s"] for r in plain)],
-            "predicted_tok_s": [min(r["tok_s"] for r in pred), statistics.median(r["tok_s"] for r in pred), max(r["tok_s"] for r in pred)],
-            "speedup_min_median_max": [min(speed), statistics.median(speed), max(speed)],
-            "identical": all(a["text"] == b["text"] for a, b in zip(plain, pred, strict=True)),
-            "completion_tokens": plain[0]["completion_tokens"],
-            "prediction_details": pred[0]["details"],
-        }  # fmt: skip
-        print(name, json.dumps(cells[name]))
+        for c in clients.values():
+            c.close()
+        for s in servers.values():
+            s.stop()
+    cells = {name: _cell([r for r in runs if r["file"] == name]) for name in FILES}
+    for name, cell in cells.items():
+        print(name, json.dumps(cell))
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": machine_info(), "repeats": args.repeats, "cells": cells,
               "runs": [{k: v for k, v in r.items() if k != "text"} for r in runs]}  # fmt: skip
@@ -138,5 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _cell(runs: list[dict]) -> dict:
+    by = {w: [r for r in runs if r["way"] == w] for w in ("off", "plain", "predicted")}
+
+    def spread(xs):
+        return [min(xs), statistics.median(xs), max(xs)]
+
+    def speedup(slow, fast):  # per repetition: the slower way's time over the faster's
+        return spread(
+            [a["seconds"] / b["seconds"] for a, b in zip(by[slow], by[fast], strict=True)]
+        )
+
+    texts = {r["text"] for r in runs}
+    return {**{f"{w}_tok_s": spread([r["tok_s"] for r in rs]) for w, rs in by.items()},
+            "speedup_off_to_predicted": speedup("off", "predicted"),
+            "speedup_plain_to_predicted": speedup("plain", "predicted"),
+            "identical": len(texts) == 1,
+            "completion_tokens": by["off"][0]["completion_tokens"],
+            "prediction_details": by["predicted"][0]["details"]}  # fmt: skip

@@ -2,7 +2,7 @@
 """Speculative decoding on vs off, served, side by side in one run (issue 14's targets).
 
 Two ``tinyserve serve`` processes on the default model, one with ``--speculative-config``
-and one without, run the same workloads (bench_serving.py: ``grounded`` — a ~350-token
+``--spec`` and one with it ``off`` (the default is suffix decoding since d1720d7), run the same workloads (bench_serving.py: ``grounded`` — a ~350-token
 passage of code to repeat, edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
 server at a time, the order alternating each repetition (off/on, on/off, ...). Greedy, as
 bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio on/off of
@@ -80,7 +80,8 @@ def main() -> int:
     common = ["--max-num-seqs", "32", *args.extra_args.split()]
     logs = Path(tempfile.mkdtemp(prefix="bench_spec_"))
     servers = {
-        "off": start_server(common, logs / "off.log"),
+        # Off by name: speculation (suffix decoding) is on by default since d1720d7.
+        "off": start_server([*common, "--speculative-config", "off"], logs / "off.log"),
         "on": start_server([*common, "--speculative-config", args.spec], logs / "on.log"),
     }
     results = []

@@ -59,6 +59,28 @@ def test_bad_server_flags_exit_with_a_message(flag, message):
     assert str(exc.value) == f"tinyserve serve: {message}"
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "/nonexistent/m.gguf"], "model '/nonexistent/m.gguf': no such file"),
+        (["--device", "cuda"], "device 'cuda' was asked for but no CUDA device is available"),
+    ],
+)
+def test_bad_engine_settings_exit_with_one_line(flags, message):
+    """What the engine refuses at start-up (a model that is not there, a device the machine
+    lacks) ends `tinyserve serve` with its message, not a traceback."""
+    import torch
+
+    from tinyserve.entrypoints.api_server import run_server
+
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    ns = build_parser().parse_args(["serve", *flags])
+    with pytest.raises(SystemExit) as exc:
+        run_server(ns)
+    assert str(exc.value).startswith(f"tinyserve serve: {message}"), exc.value
+
+
 def _readme_curl() -> str:
     lines = [line for line in README.read_text().splitlines() if line.startswith("curl -N ")]
     assert lines, "README.md has no `curl -N ...` example"

@@ -324,11 +324,12 @@ def run_server(ns: argparse.Namespace) -> int:
     # Four malloc arenas, not glibc's 8 per core: fewer half-empty heaps left by the grammar
     # compile threads (utils/memory.py; issue 37's soak). A user's MALLOC_ARENA_MAX wins.
     cap_arenas(4)
-    try:
+    try:  # a bad setting (a flag, a device, a model) is one line, not a traceback
         config = server_config_from_namespace(ns)
-    except ValueError as e:
+        app = create_app(EngineArgs.from_namespace(ns), config)
+    except (ValueError, FileNotFoundError) as e:
+        logger.debug("start-up failed", exc_info=True)
         raise SystemExit(f"tinyserve serve: {e}") from None
-    app = create_app(EngineArgs.from_namespace(ns), config)
     log_level = str(getattr(ns, "log_level", "info")).lower()
     if not logging.getLogger().handlers:  # called without cli.main's logging set-up
         logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")

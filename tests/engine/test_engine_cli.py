@@ -72,12 +72,26 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys):
 def test_speculation_is_suffix_by_default_and_off_turns_it_off():
     import argparse
 
-    from tinyserve.engine.arg_utils import add_engine_args
+    from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert parser.parse_args([]).speculative_config.method == "suffix"
-    for off in ("off", "none"):
-        assert parser.parse_args(["--speculative-config", off]).speculative_config is None
+    for off in ("off", "none"):  # through EngineArgs, as `tinyserve serve` builds it
+        ns = parser.parse_args(["--speculative-config", off])
+        assert EngineArgs.from_namespace(ns).create_configs().speculative is None
     ngram = parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
     assert ngram.speculative_config.method == "ngram"
+
+
+def test_grammar_fast_forward_is_on_by_default_and_reaches_the_proposer():
+    import argparse
+
+    from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).grammar_fast_forward is True
+    ns = parser.parse_args(["--no-grammar-fast-forward", "--speculative-config", "off"])
+    config = EngineArgs.from_namespace(ns).create_configs()
+    assert (config.grammar_fast_forward, config.speculative) == (False, None)

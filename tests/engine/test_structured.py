@@ -120,15 +120,14 @@ def test_an_answer_that_breaks_a_checked_keyword_is_an_error(fuzz_model):
     assert_no_leaks(engine)
 
 
-def test_grammar_forced_tokens_are_drafts_that_change_nothing(fuzz_model, monkeypatch):
+def test_grammar_forced_tokens_are_drafts_that_change_nothing(fuzz_model):
     """Grammar fast-forward (on by default, no --speculative-config): the tokens a schema
     forces (keys, punctuation, enum tails) are drafted and all accepted, in fewer steps,
-    and every output (greedy and seeded sampling, n=2) is the one plain decoding gives."""
+    and every output (greedy and seeded sampling, n=2) is the one plain decoding
+    (``grammar_fast_forward=False``: --no-grammar-fast-forward) gives."""
 
     def run(fast_forward: bool):
-        engine = _engine(fuzz_model)
-        if not fast_forward:
-            monkeypatch.setattr(engine.core.proposer, "_forced", lambda request, budget: [])
+        engine = _engine(fuzz_model, grammar_fast_forward=fast_forward)
         prompt = engine.tokenizer.encode("Give me a person:")
         so = StructuredOutputsParams(json=SCHEMA)
         engine.add_request("greedy", prompt, _params(so, temperature=0.0))

@@ -29,6 +29,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     speculative: SpeculativeConfig | None = None
+    grammar_fast_forward: bool = True  # a grammar's forced tokens as drafts (structured/)
 
 
 @dataclass
@@ -65,6 +66,10 @@ class EngineArgs:
     # "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     # or '{"method": "suffix"}', or the parsed config (what --speculative-config gives).
     speculative_config: str | dict | SpeculativeConfig | None = "auto"
+    # The tokens a request's grammar forces (JSON keys, punctuation) drafted, whatever
+    # speculative_config says: never rejected under greedy, so on by default. False: plain
+    # decoding for constrained requests too (with speculation off, one token a step).
+    grammar_fast_forward: bool = True
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (worker/decode_graphs.py)
 
     @property
@@ -91,6 +96,7 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(self.tensor_parallel_size),
             speculative=spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec),
+            grammar_fast_forward=self.grammar_fast_forward,
         )  # fmt: skip
 
     @classmethod
@@ -142,6 +148,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "requests, default 8",
     )
     parser.add_argument(
+        "--grammar-fast-forward",
+        action=argparse.BooleanOptionalAction,
+        default=d.grammar_fast_forward,
+        help="draft the tokens a structured output's grammar forces (keys, punctuation), "
+        "whatever --speculative-config says (default on; --no-grammar-fast-forward with "
+        "--speculative-config off: one token a step for every request)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -171,12 +185,15 @@ def _add_scheduler_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
     )
 
 
-def _speculative_config(text: str) -> SpeculativeConfig | None:
-    """Parsed (once) when the flags are, so a bad value is a usage error, not a traceback."""
+def _speculative_config(text: str) -> SpeculativeConfig | str:
+    """Parsed (once) when the flags are, so a bad value is a usage error, not a traceback.
+    Off stays the string "off": ``EngineArgs.from_namespace`` skips None values (flags not
+    given), which would put the default back."""
     try:
-        return SpeculativeConfig.parse(text)
+        parsed = SpeculativeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return "off" if parsed is None else parsed
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:

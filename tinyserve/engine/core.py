@@ -68,7 +68,8 @@ class EngineCore:
         )
         spec = config.speculative
         # With speculation off only requests with a prediction draft (theirs).
-        self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None)
+        self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None,
+                                      fast_forward=config.grammar_fast_forward)  # fmt: skip
         self.speculative = spec is not None
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.proposer)
         self.num_steps = 0  # steps run: the live view's and /metrics' common clock

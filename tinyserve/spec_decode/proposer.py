@@ -119,9 +119,10 @@ def _step_before_drafts(running: list[Request], budget: int) -> list[float]:
 
 
 class NgramProposer:
-    def __init__(self, config: SpeculativeConfig, ngram: bool = True):
+    def __init__(self, config: SpeculativeConfig, ngram: bool = True, fast_forward: bool = True):
         self.config = config
         self.ngram = ngram  # drafts of config.method for every request (else predictions only)
+        self.fast_forward = fast_forward  # a grammar's forced tokens as drafts
         # Suffix decoding: earlier requests' outputs by cache_salt (spec_decode/suffix.py).
         self.suffix_cache = SuffixCache(
             config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_cached_tokens
@@ -169,7 +170,7 @@ class NgramProposer:
         )
         if k < 1:
             return []
-        forced = self._forced(request, budget)
+        forced = self._forced(request, budget) if self.fast_forward else []
         if not self.ngram and not predicted and not forced:
             return []
         if not cfg.adaptive:

@@ -175,8 +175,9 @@ def main() -> int:
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench_agent_"))
     common = ["--max-num-seqs", "32", "--log-level", "warning"]
-    # Off by name: speculation (suffix decoding) is on by default since d1720d7.
-    modes = {"off": [*common, "--speculative-config", "off"],
+    # Off by name, all of it: suffix decoding is the default since d1720d7, grammar
+    # fast-forward always was.
+    modes = {"off": [*common, "--speculative-config", "off", "--no-grammar-fast-forward"],
              "on": [*common, "--speculative-config", args.spec]}  # fmt: skip
     if args.ngram:
         modes["ngram"] = [*common, "--speculative-config", NGRAM]

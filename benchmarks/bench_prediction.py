@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(args.out).with_suffix(".server.log")
     servers = {
         "off": start_server(
-            ["--log-level", "warning", "--speculative-config", "off"], log.with_suffix(".off.log")
+            ["--log-level", "warning", "--speculative-config", "off", "--no-grammar-fast-forward"],
+            log.with_suffix(".off.log"),
         ),  # fmt: skip
         "default": start_server(["--log-level", "warning"], log),
     }

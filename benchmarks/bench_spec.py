@@ -80,8 +80,11 @@ def main() -> int:
     common = ["--max-num-seqs", "32", *args.extra_args.split()]
     logs = Path(tempfile.mkdtemp(prefix="bench_spec_"))
     servers = {
-        # Off by name: speculation (suffix decoding) is on by default since d1720d7.
-        "off": start_server([*common, "--speculative-config", "off"], logs / "off.log"),
+        # Off by name, all of it: suffix decoding is the default since d1720d7, grammar
+        # fast-forward always was.
+        "off": start_server(
+            [*common, "--speculative-config", "off", "--no-grammar-fast-forward"], logs / "off.log"
+        ),
         "on": start_server([*common, "--speculative-config", args.spec], logs / "on.log"),
     }
     results = []

@@ -86,3 +86,24 @@ def test_a_prediction_drafts_past_num_speculative_tokens(smollm2_gguf_path):
     assert accepted / drafts > 4, (accepted, drafts)  # runs longer than the n-gram cap
     assert engine.core.num_steps - before[0] <= 4  # prefill + 32 + the rest (+ its bonus)
     assert_no_leaks(engine)
+
+
+def test_where_the_prediction_says_nothing_speculation_drafts_as_without_one():
+    """Past a prediction's end (or after a token it does not hold) a request drafts from the
+    configured source, as it would without a prediction; with speculation off, nothing."""
+    from types import SimpleNamespace
+
+    from tinyserve.spec_decode.config import SpeculativeConfig
+    from tinyserve.spec_decode.proposer import NgramProposer
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                             prompt_lookup_max=2)  # fmt: skip
+    prompt, output = [5, 6, 7, 8, 9, 10], [11, 5, 6]  # "5 6" occurred: 7 8 9 10 follow
+    request = SimpleNamespace(
+        request_id="r", output_token_ids=output, all_token_ids=prompt + output,
+        sampling_params=SamplingParams(prediction=(11, 12, 13)),  # nothing follows "11 5 6"
+    )  # fmt: skip
+    assert NgramProposer(spec)._propose(request, 32) == [7, 8, 9, 10]  # capped at 4, not 32
+    assert NgramProposer(spec, ngram=False)._propose(request, 32) == []
+    request.sampling_params = SamplingParams(prediction=(11, 5, 6, 20, 21))
+    assert NgramProposer(spec)._propose(request, 32) == [20, 21]  # the prediction first

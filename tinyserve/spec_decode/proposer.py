@@ -224,12 +224,17 @@ class NgramProposer:
         return request.grammar.forced_tokens()[:k] if k > 0 else []
 
     def _propose(self, request: Request, k: int) -> list[int]:
+        """The client's prediction first; where it has nothing to say (past its end, after
+        an unknown token) and speculation is on, the configured source, as without one."""
         prediction = request.sampling_params.prediction
         if prediction is not None:
             drafter = self._drafters.get(request.request_id)
             if drafter is None:
                 drafter = self._drafters[request.request_id] = PredictionDrafter(prediction)
-            return drafter.propose(request.output_token_ids, k)
+            draft = drafter.propose(request.output_token_ids, k)
+            if draft or not self.ngram:
+                return draft
+            k = min(k, self.config.num_speculative_tokens)
         cfg = self.config
         if cfg.suffix:
             salt = request.sampling_params.cache_salt

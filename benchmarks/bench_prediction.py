@@ -3,7 +3,9 @@
 each request asking for a source file back with one small edit, greedy, three ways,
 interleaved: ``off`` (a server with ``--speculative-config off``, no ``prediction``: no
 speculation at all), ``plain`` (a server at its default flags, suffix decoding on since
-d1720d7, no ``prediction``) and ``predicted`` (that server, ``prediction`` = the file).
+d1720d7, no ``prediction``) and ``predicted`` (that server, ``prediction`` = the file);
+each request with its own ``cache_salt``, so that no way replays an earlier identical
+request's answer from the suffix cache.
 Reports per file the completion tokens per second (min / median / max over the
 repetitions), the speed-ups off -> predicted (issue 40's "on vs off") and plain ->
 predicted (what the prediction adds to the default), that all answers are identical, and
@@ -84,9 +86,11 @@ EDITS = {"fib.py": "Rename the function fibonacci to fib.", "stack.py": "Rename 
          "greet.js": 'Change the greeting "Hello, " to "Hi, ".'}  # fmt: skip
 
 
-def one(c: httpx.Client, name: str, predicted: bool) -> dict:
+def one(c: httpx.Client, name: str, predicted: bool, salt: str = "warm-up") -> dict:
     source = FILES[name]
-    body = {"messages": [
+    # Its own cache_salt: no drafts (suffix decoding's cross-request cache) or prefix hits
+    # from the identical request an earlier repetition or way sent.
+    body = {"cache_salt": salt, "messages": [
                 {"role": "system", "content": "You edit code. Reply with the whole file, changed as asked, and nothing else."},
                 {"role": "user", "content": f"{EDITS[name]}\n\n{source}"}],
             "max_tokens": 400, "temperature": 0}  # fmt: skip
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "default": start_server(["--log-level", "warning"], log),
     }
     ways = [("off", False), ("plain", False), ("predicted", True)]
+    nonce = time.time_ns()
     runs = []
     clients = {k: httpx.Client(base_url=s.base_url, timeout=600) for k, s in servers.items()}
     try:
@@ -128,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in FILES:  # interleaved, the order rotating each repetition
                 for way, predicted in ways[rep % 3 :] + ways[: rep % 3]:
                     c = clients["off" if way == "off" else "default"]
-                    runs.append({**one(c, name, predicted), "way": way, "repeat": rep})
+                    salt = f"{nonce}-{rep}-{way}"
+                    runs.append({**one(c, name, predicted, salt), "way": way, "repeat": rep})
     finally:
         for c in clients.values():
             c.close()
@@ -162,3 +168,7 @@ def _cell(runs: list[dict]) -> dict:
             "identical": len(texts) == 1,
             "completion_tokens": by["off"][0]["completion_tokens"],
             "prediction_details": by["predicted"][0]["details"]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

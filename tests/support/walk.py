@@ -8,10 +8,8 @@ API's class would show as the arrow back, ``serving -> serving_chat``."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import Counter
-from collections.abc import Callable
 
 import httpx
 
@@ -65,13 +63,11 @@ class Walk:
 def walk(tokenizer, path: str, body: dict, stream: bool = False) -> tuple[int, Walk]:
     """Serve one request at ``path`` (after one untraced warm-up) and trace it."""
     w = Walk()
-    threading.setprofile(w)
-    sys.setprofile(w)
+    threading.setprofile(w)  # the server's threads start after this: all of them traced
     try:
         engine = AsyncEngine(FakeEngine(tokenizer=tokenizer), max_queued_requests=4)
         with serve(engine, ServerConfig()) as s, httpx.Client(base_url=s.base_url) as c:
-            send: Callable = c.post
-            send(path, json=body).raise_for_status()
+            c.post(path, json=body).raise_for_status()
             w.on = True
             if stream:
                 with c.stream("POST", path, json={**body, "stream": True}) as r:
@@ -79,9 +75,8 @@ def walk(tokenizer, path: str, body: dict, stream: bool = False) -> tuple[int, W
                     for _ in r.iter_lines():
                         pass
             else:
-                status = send(path, json=body).status_code
+                status = c.post(path, json=body).status_code
             w.on = False
     finally:
         threading.setprofile(None)
-        sys.setprofile(None)
     return status, w

@@ -68,7 +68,7 @@ if [ "$BUILD" = 1 ]; then
         docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 \
             || skip "no $BASE_IMAGE: run scripts/docker_smoke.sh once (it makes it) or set BASE_IMAGE"
     fi
-    PIP_ARGS=$(mktemp)   # fresh: its loopback port is new each run
+    PIP_ARGS=$(mktemp)   # fresh each run (its loopback port is stable: docker_pip_args.py)
     python3 scripts/docker_pip_args.py "$PIP_ARGS" 2>"$LOG/pip_args.log" & PIP_PID=$!
     for _ in $(seq 50); do [ -s "$PIP_ARGS" ] && break; sleep 0.1; done
     mapfile -t ARGS < <(grep -v '^--build-arg=PIP_FIND_LINKS=' "$PIP_ARGS" || true)

@@ -82,6 +82,7 @@ def test_pip_settings_become_build_arguments(tmp_path, monkeypatch):
     idx = m.url(f"file://{tmp_path}/simple", index=True)
     links = m.url(str(tmp_path / "files"), index=False)
     port = m.serve()
+    assert port == m.stable_port()  # the same arguments next run: Docker's layer cache holds
     idx, links = idx.format(port=port), links.format(port=port)
     assert idx.startswith("http://127.0.0.1:") and links.startswith("http://127.0.0.1:")
     page = urllib.request.urlopen(idx + "demo/", timeout=5).read().decode()

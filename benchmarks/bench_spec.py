@@ -2,8 +2,9 @@
 """Speculative decoding on vs off, served, side by side in one run (issue 14's targets).
 
 Two ``tinyserve serve`` processes on the default model, one with ``--speculative-config``
-``--spec`` and one with it ``off`` (the default is suffix decoding since d1720d7), run the same workloads (bench_serving.py: ``grounded`` — a ~350-token
-passage of code to repeat, edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
+``--spec`` and one with it ``off`` (the default is suffix decoding since d1720d7), run the
+same workloads (bench_serving.py: ``grounded`` — a ~350-token passage of code to repeat,
+edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
 server at a time, the order alternating each repetition (off/on, on/off, ...). Greedy, as
 bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio on/off of
 the medians and the median of each repetition's on/off (``paired_ratio``: the two runs are

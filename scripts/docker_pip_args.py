@@ -96,13 +96,10 @@ class Mounts:
             def log_message(self, *args) -> None:
                 pass
 
-        server = None
-        for port in (self.stable_port(), 0):  # a port in use: any free one
-            try:
-                server = _Server(("127.0.0.1", port), functools.partial(Handler))
-                break
-            except OSError:
-                continue
+        try:
+            server = _Server(("127.0.0.1", self.stable_port()), functools.partial(Handler))
+        except OSError:  # in use: any free port
+            server = _Server(("127.0.0.1", 0), functools.partial(Handler))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         return server.server_address[1]
 

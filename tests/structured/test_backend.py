@@ -4,9 +4,12 @@ compile errors that name what is wrong."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from tinyserve.entrypoints.tools import TOOL_JSON_OPTIONS
 from tinyserve.structured.backend import GrammarBackend
 from tinyserve.structured.spec import StructuredOutputSpec
 from tinyserve.worker.sampler import apply_grammar_bitmask
@@ -231,11 +234,12 @@ def test_rollback_of_eos_restores_the_state_before_it(backend, smollm2_tokenizer
     assert matcher.accept_tokens([eos]) and matcher.is_terminated()
 
 
-def test_forced_tokens_spell_what_the_grammar_allows_alone(backend, compiled, smollm2_tokenizer):
-    """Fast-forward: from the start SCHEMA forces '{"name": "' (its first property is
-    required); inside the free string nothing is forced; each forced token is the only one
-    its mask allows; after the end nothing."""
-    m = backend.matcher(compiled)
+def test_forced_tokens_spell_what_the_grammar_allows_alone(backend, smollm2_tokenizer):
+    """Fast-forward: from the start SCHEMA on one line (the tool calls' layout) forces
+    '{"name": "' (its first property is required); inside the free string nothing is forced;
+    each forced token is the only one its mask allows; after the end nothing."""
+    one_line = {**SCHEMA, "x-guidance": TOOL_JSON_OPTIONS}
+    m = backend.matcher(backend.compile(StructuredOutputSpec.json_schema(one_line)))
     forced = m.forced_tokens()
     assert forced and '{"name": "'.startswith(smollm2_tokenizer.decode(forced))
     bitmask = backend.allocate_bitmask(1)
@@ -261,3 +265,32 @@ def test_the_grammar_backend_does_not_load_torch_dynamo():
             "print('torch._dynamo' in sys.modules, 'llguidance.torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def _takes(backend, compiled, text: str, tokenizer) -> bool:
+    """Whether the grammar takes ``text`` whole and may end after it."""
+    m = backend.matcher(compiled)
+    return m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.accept_tokens(
+        [backend.eos_token_ids[0]]
+    )
+
+
+def test_json_layout_is_pretty_printing_bounded(backend, compiled, smollm2_tokenizer):
+    """The default layout (issue 39, measured: fewer answers cut by max_tokens than one line)
+    takes json.dumps's one-line and indent=2 forms of the same object and the bare one; it
+    refuses runs of whitespace an answer could pad itself with (two newlines, 41 spaces), and
+    whitespace before the first bracket. A schema's x-guidance (the tool calls' one-line form)
+    refuses the indented form."""
+    value = json.loads(DOC)
+    for text in (DOC, json.dumps(value, indent=2), json.dumps(value, separators=(",", ":"))):
+        assert _takes(backend, compiled, text, smollm2_tokenizer), text
+    for text in ('{\n\n  "name": "ab", "n": 12, "tags": ["x"]}',
+                 '{' + " " * 2 + '"name": "ab", "n": 12, "tags": ["x"]}',
+                 '{\n' + " " * 41 + '"name": "ab", "n": 12, "tags": ["x"]}',
+                 ' ' + DOC, DOC + "\n"):  # fmt: skip
+        assert not _takes(backend, compiled, text, smollm2_tokenizer), text
+    one_line = backend.compile(
+        StructuredOutputSpec.json_schema({**SCHEMA, "x-guidance": TOOL_JSON_OPTIONS})
+    )
+    assert _takes(backend, one_line, DOC, smollm2_tokenizer)
+    assert not _takes(backend, one_line, json.dumps(value, indent=2), smollm2_tokenizer)

@@ -37,9 +37,14 @@ CLIENTS = 4
 
 
 def compose_cmd() -> list[str]:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return ["docker", "compose"]
+    """Compose v2 (the docker CLI plugin) where it answers, else docker-compose 1.29 (what
+    apt gives); TINYSERVE_COMPOSE (e.g. "docker-compose") picks one."""
+    if os.environ.get("TINYSERVE_COMPOSE"):
+        return os.environ["TINYSERVE_COMPOSE"].split()
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if v2.returncode == 0 or not shutil.which("docker-compose"):
+        return ["docker", "compose"]
+    return ["docker-compose"]
 
 
 def sh(cmd: list[str], log, env=None, check=True) -> subprocess.CompletedProcess:
@@ -91,8 +96,11 @@ def main() -> int:
     env = dict(os.environ, TINYSERVE_LB_PORT=str(LB_PORT), TINYSERVE_LB_STATS_PORT=str(STATS_PORT))
     base = env.get("BASE_IMAGE", "debian:bookworm-slim")
     docker = env.get("DOCKER", "docker")
-    compose = [*compose_cmd(), "-p", PROJECT, "-f", str(COMPOSE_FILE)]
+    cmd = compose_cmd()
+    compose = [*cmd, "-p", PROJECT, "-f", str(COMPOSE_FILE)]
     say = lambda msg: print(f"docker_smoke: replicas: {msg}", flush=True)  # noqa: E731
+    version = subprocess.run([*cmd, "version"], capture_output=True, text=True, check=False)
+    say(f"{' '.join(cmd)}: {(version.stdout.strip().splitlines() or ['?'])[0]}")
     t0 = time.monotonic()
     for port in (LB_PORT, STATS_PORT):
         try:
@@ -112,7 +120,9 @@ def main() -> int:
         up = wait_for(lambda: set(replica_states().values()) == {"UP"} and len(replica_states()) == 2,
                       240, "both replicas UP in HAProxy")  # fmt: skip
         say(f"both replicas UP behind HAProxy {up:.1f} s after `up`")
-        models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{LB_PORT}/v1/models", timeout=10))
+        models = json.load(
+            urllib.request.urlopen(f"http://127.0.0.1:{LB_PORT}/v1/models", timeout=10)
+        )
         model = models["data"][0]["id"]
 
         results: list[tuple[float, bool, str, str]] = []

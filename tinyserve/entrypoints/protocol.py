@@ -1,9 +1,6 @@
-"""The OpenAI-compatible wire format (pydantic, the HTTP edge only).
-
-Request models describe the fields tinyserve honours; unknown fields are ignored, as vLLM
-and the OpenAI API do. Value ranges are checked once, by SamplingParams, so that the HTTP
-server and the offline API give the same messages.
-"""
+"""The OpenAI-compatible wire format (pydantic, the HTTP edge only). Request models declare
+the fields tinyserve honours (the others: request_fields.py); value ranges are checked once,
+by SamplingParams, so that the HTTP server and the offline API give the same messages."""
 
 from __future__ import annotations
 
@@ -140,20 +137,24 @@ class ResponseFormat(_Request):
 
 
 class StructuredOutputsField(_Request):
-    """vLLM's ``structured_outputs`` body extension: exactly one mode."""
+    """vLLM's ``structured_outputs``: one mode, and its JSON options (structured_options.py)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON with no whitespace at all
+    whitespace_pattern: str | None = None  # the regex of JSON's whitespace between tokens
+    disable_additional_properties: bool = False  # objects take their declared properties only
+    disable_fallback: bool = False  # one grammar library here: nothing to fall back from
+    structural_tag: Any = None  # a 400: not supported
 
 
-# vLLM's older structured-output keys, still sent by many clients: aliases of
-# ``structured_outputs`` (a 400 with both).
+# vLLM's older keys, still sent by many clients: aliases of ``structured_outputs``.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}  # fmt: skip
+          "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}  # fmt: skip
 
 
 class _SamplingFields(_Request):
@@ -352,9 +353,6 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-
-
-# -- models, tokenize ----------------------------------------------------------------------------
 
 
 class ModelCard(BaseModel):

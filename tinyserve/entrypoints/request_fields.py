@@ -59,7 +59,6 @@ REJECTED = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "beam search is not supported",
     "logits_processors": "custom logits processors are not supported",
-    "guided_whitespace_pattern": "not supported",
     "chat_template": "a per-request chat template is not accepted: the model's own is used",
     # Declared by /v1/chat/completions (both) and /v1/completions (prediction): elsewhere a 400.
     "chat_template_kwargs": "only /v1/chat/completions takes chat_template_kwargs",

@@ -42,6 +42,7 @@ from tinyserve.entrypoints.streaming import (
     sse,
     until_disconnect,
 )
+from tinyserve.entrypoints.structured_options import structured_outputs_field, with_json_options
 from tinyserve.entrypoints.tool_formats import calls_check, tool_format
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
@@ -215,14 +216,14 @@ class OpenAIServing:
         """The request's one constraint: its response format (``fmt``, from the API's field
         ``fmt_field``), vLLM's ``structured_outputs``, or the tools' grammar — a 400 when it
         asks for two."""
-        so = _structured_outputs_field(req.structured_outputs)
+        so = structured_outputs_field(req.structured_outputs)
         if fmt is not None and so is not None:
             raise bad_request(
                 f"structured_outputs: give {fmt_field} or structured_outputs, not both",
                 "structured_outputs",
             )
         if not tools:
-            return fmt or so
+            return with_json_options(fmt or so, req.structured_outputs)
         if fmt is not None or so is not None:
             raise bad_request(f"tools: cannot be combined with {fmt_field}", "tools")
         return self.tools_constraint(tools, tool_choice, parallel_tool_calls)
@@ -329,18 +330,3 @@ def response_format(req: P._SamplingFields) -> StructuredOutputsParams | None:
     kind = fmt.type if fmt else None
     return format_constraint(kind, schema, "response_format", "response_format.json_schema.schema",
                              strict)  # fmt: skip
-
-
-def _structured_outputs_field(
-    so: P.StructuredOutputsField | None,
-) -> StructuredOutputsParams | None:
-    """vLLM's ``structured_outputs`` body field."""
-    if so is None:
-        return None
-    try:
-        return StructuredOutputsParams(
-            json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-            json_object=so.json_object,
-        )  # fmt: skip
-    except ValueError as e:
-        raise bad_request(e, "structured_outputs") from None

@@ -1,0 +1,140 @@
+"""vLLM's options of ``structured_outputs`` (issue 39: no field silently ignored): before,
+``disable_any_whitespace``, ``whitespace_pattern`` and ``disable_additional_properties``
+were dropped without a word and ``guided_whitespace_pattern`` was a 400. Now each shapes the
+JSON answer (checked on the grammar and on real answers), and a key vLLM does not define
+is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.support.api import MODEL, assert_error
+from tinyserve.entrypoints.protocol import StructuredOutputsField
+from tinyserve.entrypoints.structured_options import with_json_options
+from tinyserve.sampling_params import StructuredOutputsParams
+from tinyserve.structured.backend import GrammarBackend
+from tinyserve.structured.spec import StructuredOutputSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer",
+                   "minimum": 0, "maximum": 99}},
+    "required": ["name", "n"],
+}  # fmt: skip
+STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _options(**kw) -> StructuredOutputsField:
+    return StructuredOutputsField(**kw)
+
+
+def _takes(backend, schema, text: str, tokenizer) -> bool:
+    m = backend.matcher(backend.compile(StructuredOutputSpec.json_schema(schema)))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return m.accept_tokens(ids) and m.accept_tokens([backend.eos_token_ids[0]])
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_tokenizer):
+    return GrammarBackend(smollm2_tokenizer, len(smollm2_tokenizer))
+
+
+def test_options_reach_the_grammar(backend, smollm2_tokenizer):
+    """Each option changes what the compiled grammar takes, against the default layout."""
+    plain = StructuredOutputsParams(json=SCHEMA)
+    spaced, tight = '{"name": "ab", "n": 5}', '{"name":"ab","n":5}'
+    extra = '{"name": "ab", "n": 5, "x": 1}'
+    assert _takes(backend, plain.json, spaced, smollm2_tokenizer)
+    assert _takes(backend, plain.json, extra, smollm2_tokenizer)  # the schema allows others
+
+    none = with_json_options(plain, _options(disable_any_whitespace=True)).json
+    assert _takes(backend, none, tight, smollm2_tokenizer)
+    assert not _takes(backend, none, spaced, smollm2_tokenizer)
+
+    # The library makes each gap's whitespace optional: the pattern says what it may be.
+    lines = with_json_options(plain, _options(whitespace_pattern="\n")).json
+    assert _takes(backend, lines, '{\n"name"\n:\n"ab"\n,\n"n"\n:\n5\n}', smollm2_tokenizer)
+    assert _takes(backend, lines, tight, smollm2_tokenizer)
+    assert not _takes(backend, lines, spaced, smollm2_tokenizer)
+
+    closed = with_json_options(plain, _options(disable_additional_properties=True)).json
+    assert _takes(backend, closed, spaced, smollm2_tokenizer)
+    assert not _takes(backend, closed, extra, smollm2_tokenizer)
+
+
+def test_json_object_and_a_schemas_own_layout():
+    """json_object becomes the object schema in the asked layout; a schema's own
+    x-guidance keys win; a regex defines its own whitespace and is left as it is."""
+    out = with_json_options(StructuredOutputsParams(json_object=True),
+                            _options(disable_any_whitespace=True))  # fmt: skip
+    assert out.json_object is None and out.json["type"] == "object"
+    assert out.json["x-guidance"]["whitespace_flexible"] is False
+    own = {**SCHEMA, "x-guidance": {"item_separator": ", "}}
+    out = with_json_options(StructuredOutputsParams(json=json.dumps(own)),
+                            _options(disable_any_whitespace=True))  # fmt: skip
+    assert out.json["x-guidance"]["item_separator"] == ", "
+    assert out.json["x-guidance"]["whitespace_flexible"] is False
+    regex = StructuredOutputsParams(regex="[a-z]+")
+    assert with_json_options(regex, _options(disable_any_whitespace=True)) is regex
+
+
+def _outside_strings(text: str) -> str:
+    return STRINGS.sub('""', text)
+
+
+def test_served_answers_follow_the_options(client):
+    """Real answers of the default model: no whitespace at all; newlines only (guided_*
+    aliases); and options alone shaping a response_format schema. Under the default layout
+    this model writes '": "' (tests/structured: the layout takes it), so each check fails
+    where the option is dropped."""
+    msgs = [{"role": "user", "content": "Give a name and a number as JSON."}]
+    base = {"model": MODEL, "messages": msgs, "max_tokens": 80, "temperature": 0}
+    closed = {**SCHEMA, "additionalProperties": False}
+    cases = [
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True,
+                                 "disable_additional_properties": True}}, "none"),
+        ({"guided_json": closed, "guided_whitespace_pattern": "\n"}, "newlines"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a",
+          "schema": SCHEMA}}, "structured_outputs": {"disable_any_whitespace": True}}, "none"),
+    ]  # fmt: skip
+    for extra, layout in cases:
+        r = client.post("/v1/chat/completions", json={**base, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        text = choice["message"]["content"]
+        value = json.loads(text)
+        assert set(value) == {"name", "n"}, text
+        gaps = _outside_strings(text)
+        assert " " not in gaps, text
+        if layout == "none":
+            assert not re.search(r"\s", gaps), text
+
+
+@pytest.mark.parametrize(
+    "so, param, words",
+    [
+        ({"json": SCHEMA, "frob": 1}, "structured_outputs.frob", "Extra inputs"),
+        ({"structural_tag": {"type": "x"}}, "structured_outputs.structural_tag", "not supported"),
+        ({"json": SCHEMA, "disable_any_whitespace": True, "whitespace_pattern": " "},
+         "structured_outputs.whitespace_pattern", "not both"),
+        ({"json": SCHEMA, "whitespace_pattern": "(?:a{1000}){1000}"},
+         "structured_outputs.whitespace_pattern", "states"),
+        ({"json": SCHEMA, "whitespace_pattern": ""}, "structured_outputs.whitespace_pattern",
+         "non-empty"),
+        ({}, "structured_outputs", "exactly one"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_400s_naming_them(fake_server, so, param, words):
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "structured_outputs": so}  # fmt: skip
+    with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        err = assert_error(c.post("/v1/chat/completions", json=body), 400, param)
+        assert words in err["message"], err
+        # options alone with no JSON to shape change nothing: a plain answer
+        plain = {**body, "structured_outputs": {"disable_any_whitespace": True}}
+        assert c.post("/v1/chat/completions", json=plain).status_code == 200

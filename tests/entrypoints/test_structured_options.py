@@ -17,6 +17,7 @@ from tinyserve.entrypoints.protocol import StructuredOutputsField
 from tinyserve.entrypoints.structured_options import with_json_options
 from tinyserve.sampling_params import StructuredOutputsParams
 from tinyserve.structured.backend import GrammarBackend
+from tinyserve.structured.schema_approx import final_check, needs_final_check
 from tinyserve.structured.spec import StructuredOutputSpec
 
 SCHEMA = {
@@ -113,6 +114,24 @@ def test_served_answers_follow_the_options(client):
         assert " " not in gaps, text
         if layout == "none":
             assert not re.search(r"\s", gaps), text
+
+
+def test_a_clients_whitespace_pattern_is_checked_on_the_answer(client, smollm2_tokenizer):
+    """A client's pattern may match more than JSON's whitespace: such an answer is parsed
+    and validated before it is sent. With "x" allowed in the gaps and pushed by logit_bias,
+    the answer is not JSON: a 400 naming the field, not a 200."""
+    lax = with_json_options(StructuredOutputsParams(json=SCHEMA),
+                            _options(whitespace_pattern="x")).json  # fmt: skip
+    assert needs_final_check(json.dumps(lax)) and not needs_final_check(json.dumps(SCHEMA))
+    assert final_check(json.dumps(lax), '{"name":"ab","n":5}') is None
+    assert "not JSON" in final_check(json.dumps(lax), '{x"name":"ab","n":5}')
+    (x,) = smollm2_tokenizer.encode("x", add_special_tokens=False)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "JSON please."}],
+            "max_tokens": 60, "temperature": 0, "logit_bias": {str(x): 100},
+            "structured_outputs": {"json": {**SCHEMA, "additionalProperties": False},
+                                   "whitespace_pattern": "x"}}  # fmt: skip
+    err = assert_error(client.post("/v1/chat/completions", json=body), 400, "structured_outputs")
+    assert "not JSON" in err["message"], err
 
 
 @pytest.mark.parametrize(

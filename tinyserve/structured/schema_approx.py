@@ -333,11 +333,18 @@ def _dependencies(node: dict) -> None:
 
 @functools.lru_cache(maxsize=128)
 def needs_final_check(schema_text: str) -> bool:
-    """``uses_keywords`` of a schema given as JSON text (cached: asked once per answer)."""
+    """``uses_keywords`` of a schema given as JSON text (cached: asked once per answer), or
+    a whitespace pattern of the client's own in its top-level ``x-guidance`` (vLLM's
+    ``whitespace_pattern``): nothing stops that regex from matching more than JSON's
+    whitespace, so such an answer is parsed and validated before it is sent."""
     try:
-        return uses_keywords(json.loads(schema_text))
+        schema = json.loads(schema_text)
     except ValueError:
         return False
+    layout = schema.get("x-guidance") if isinstance(schema, dict) else None
+    if isinstance(layout, dict) and layout.get("whitespace_pattern") is not None:
+        return True
+    return uses_keywords(schema)
 
 
 @functools.lru_cache(maxsize=32)

@@ -15,6 +15,7 @@ import pytest
 from tests.support.api import MODEL, assert_error
 from tinyserve.entrypoints.protocol import StructuredOutputsField
 from tinyserve.entrypoints.structured_options import with_json_options
+from tinyserve.entrypoints.tools import TOOL_JSON_OPTIONS
 from tinyserve.sampling_params import StructuredOutputsParams
 from tinyserve.structured.backend import GrammarBackend
 from tinyserve.structured.schema_approx import final_check, needs_final_check
@@ -125,6 +126,16 @@ def test_a_clients_whitespace_pattern_is_checked_on_the_answer(client, smollm2_t
     assert needs_final_check(json.dumps(lax)) and not needs_final_check(json.dumps(SCHEMA))
     assert final_check(json.dumps(lax), '{"name":"ab","n":5}') is None
     assert "not JSON" in final_check(json.dumps(lax), '{x"name":"ab","n":5}')
+    odd = {**SCHEMA, "x-guidance": {"item_separator": "x", "whitespace_flexible": True}}
+    assert needs_final_check(json.dumps(odd))
+    for safe in (
+        TOOL_JSON_OPTIONS,
+        {"coerce_one_of": True, "whitespace_flexible": True},
+        with_json_options(
+            StructuredOutputsParams(json=SCHEMA), _options(disable_any_whitespace=True)
+        ).json["x-guidance"],
+    ):
+        assert not needs_final_check(json.dumps({**SCHEMA, "x-guidance": safe})), safe
     (x,) = smollm2_tokenizer.encode("x", add_special_tokens=False)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "JSON please."}],
             "max_tokens": 60, "temperature": 0, "logit_bias": {str(x): 100},

@@ -334,17 +334,26 @@ def _dependencies(node: dict) -> None:
 @functools.lru_cache(maxsize=128)
 def needs_final_check(schema_text: str) -> bool:
     """``uses_keywords`` of a schema given as JSON text (cached: asked once per answer), or
-    a whitespace pattern of the client's own in its top-level ``x-guidance`` (vLLM's
-    ``whitespace_pattern``): nothing stops that regex from matching more than JSON's
-    whitespace, so such an answer is parsed and validated before it is sent."""
+    grammar options of the client's own in its top-level ``x-guidance`` beyond the two that
+    keep JSON JSON: a whitespace pattern (vLLM's ``whitespace_pattern``), separators or
+    leniency may let through text that is not JSON, or not valid, so such an answer is
+    parsed and validated before it is sent."""
     try:
         schema = json.loads(schema_text)
     except ValueError:
         return False
     layout = schema.get("x-guidance") if isinstance(schema, dict) else None
-    if isinstance(layout, dict) and layout.get("whitespace_pattern") is not None:
+    if isinstance(layout, dict) and any(
+        v is not None and v not in _SAFE_OPTIONS.get(k, ()) for k, v in layout.items()
+    ):
         return True
     return uses_keywords(schema)
+
+
+# llguidance's JSON options, and the values of them that keep every answer JSON (free
+# whitespace is JSON's; the tools' one-line layout and disable_any_whitespace's use these).
+_SAFE_OPTIONS = {"whitespace_flexible": (True, False), "coerce_one_of": (True, False),
+                 "item_separator": (",", ", "), "key_separator": (":", ": ")}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=32)

@@ -18,6 +18,7 @@ from tests.support.engine import (
     run_batch,
     tiny_engine,
 )
+from tinyserve.engine import kv_cache_manager as kvm
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
@@ -270,3 +271,96 @@ def test_the_context_stays_capped_where_one_request_would_not_fit(mistral):
     engine = tiny_engine(path, num_blocks=6, block_size=4, max_num_batched_tokens=32,
                          enable_chunked_prefill=False)  # fmt: skip
     assert engine.max_model_len == 24
+
+
+# -- hits past evicted blocks ------------------------------------------------------------------
+
+
+def _evicted_prefix(kv: KVCacheManager) -> None:
+    """In a 5-block pool request "a" computes 20 tokens, 4 a step, in blocks 0-4 (window 6:
+    0 and 1 released on the way, the rest at its end, tail first); "c" (8 tokens) then takes
+    the free queue's head, a's blocks 0 and 1: evicted."""
+    a = _request("a", list(range(20)))
+    for _ in range(5):
+        table = _step(kv, a, 4)
+    assert table == [0, 1, 2, 3, 4]
+    kv.free("a")
+    assert _step(kv, _request("c", list(range(100, 108))), 8) == [0, 1]
+    assert kv.blocks[1].token_ids == (104, 105, 106, 107)  # c's now
+    assert kv.blocks[2].token_ids == (8, 9, 10, 11)  # still a's
+
+
+def test_a_hit_passes_over_evicted_blocks_left_of_its_window():
+    """Asked again with 2 more tokens, a's prompt hits all 5 blocks: the 2 evicted ones (and
+    block 2) left of query 20's window enter dead (block 0 standing in for the evicted), the
+    2 others are taken; the request registers its next block on the chain, so a later
+    request hits 24 tokens past 4 evicted blocks; nothing leaks."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
+    _evicted_prefix(kv)
+    b = _request("b", list(range(22)))
+    hits, num_hit_tokens = kv.get_computed_blocks(b)
+    assert num_hit_tokens == 20 and hits == [kvm.GONE, kvm.GONE, 2, 3, 4]
+    b.num_computed_tokens = num_hit_tokens
+    table = _step(kv, b, 2, hits)
+    assert table == [0, 0, 2, 3, 4, 2] and kv.num_dead_blocks("b") == 3  # block 2 reused
+    assert [kv.blocks[i].ref_count for i in (3, 4, 2)] == [1, 1, 1]
+    for t in range(22, 25):
+        b.append_output_token(t)
+        _step(kv, b, 1)
+    # Query 24 left block 3 behind (released, then taken for b's seventh block: evicted).
+    assert kv.get_block_ids("b") == [0, 0, 2, 3, 4, 2, 3]
+    hits, num_hit_tokens = kv.get_computed_blocks(_request("b2", list(range(24)) + [7]))
+    assert num_hit_tokens == 24 and hits == [kvm.GONE] * 4 + [4, 2]
+    kv.free("b"), kv.free("c")
+    assert kv.num_free_blocks == 5 and all(blk.ref_count == 0 for blk in kv.blocks)
+
+
+def test_an_evicted_block_is_passed_over_only_left_of_the_window():
+    """The hit is cut before an evicted block the first new query's window reads (14 tokens:
+    the query at 12 sees 7 .. 12, block 1 evicted: no hit at all); a prompt whose first
+    block differs misses everything after it, evicted or not."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
+    _evicted_prefix(kv)
+    assert kv.get_computed_blocks(_request("short", list(range(14)))) == ([], 0)
+    other = [99, 98, 97, 96] + list(range(4, 22))
+    assert kv.get_computed_blocks(_request("other", other)) == ([], 0)
+
+
+def test_a_collision_with_an_evicted_block_is_a_miss(monkeypatch):
+    """With a hash that forgets the parent, a prompt starting with a's second block's tokens
+    finds a's evicted block 1 under its hash; the kept identity (its parent's content id)
+    rejects it."""
+    monkeypatch.setattr(kvm, "hash_block_tokens", lambda parent, tokens: hash(tokens))
+    kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
+    _evicted_prefix(kv)
+    assert hash((4, 5, 6, 7)) in kv._ghosts
+    assert kv.get_computed_blocks(_request("other", list(range(4, 26)))) == ([], 0)
+
+
+def test_without_a_window_evicted_blocks_leave_no_ghosts():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    _step(kv, _request("a", list(range(16))), 16)
+    kv.free("a")
+    _step(kv, _request("c", list(range(100, 116))), 16)
+    assert not kv._ghosts
+    assert kv.get_computed_blocks(_request("b", list(range(18)))) == ([], 0)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_the_engine_hits_past_evicted_blocks_and_keeps_transformers_tokens(mistral, kernels):
+    """A 30-token prompt runs, another request then evicts its early blocks (released as left
+    of the window); the first prompt with 3 more tokens still hits its last cached blocks,
+    the evicted ones entered dead: transformers' greedy tokens, nothing leaked."""
+    path, hf = mistral
+    prompt = random_prompt(30, seed=60)
+    engine = tiny_engine(path, num_blocks=9, block_size=4, max_num_batched_tokens=8,
+                         cpu_kernels=kernels)  # fmt: skip
+    run_alone(engine, [("a", prompt, greedy(4)), ("c", random_prompt(12, seed=61), greedy(2))])
+    kv = engine.core.kv_cache_manager
+    again = prompt + random_prompt(3, seed=62)
+    hits, num_hit_tokens = kv.get_computed_blocks(_request("probe", again))
+    assert kvm.GONE in hits and num_hit_tokens >= 24, (hits, num_hit_tokens)
+    done = run_alone(engine, [("b", again, greedy(12))])
+    assert done["b"].num_cached_tokens == num_hit_tokens
+    assert done["b"].token_ids == _hf_greedy(hf, again, 12)
+    assert_no_leaks(engine)

@@ -16,11 +16,11 @@ Ownership:
   takes the step's blocks and after registering them): no later query of the request reads
   them (layers/attention.py). Their ids stay in its block table, dead, so positions still
   index it; the kernels and masks never read a dead slot's values into an output. Prefix
-  hits left of the first new query's window enter the table dead, never taken. So a request
-  holds at most ``config.window_live_blocks`` at once, however long it runs: it may
-  outgrow the pool. Released, a hashed block stays in the prefix cache like any other until
-  it is reused. With one full-attention layer (Gemma 3's global ones) every block stays
-  needed: nothing is released early.
+  hits left of the first new query's window enter the table dead, never taken, and may be
+  blocks evicted since (``GONE``: their identities are kept as ghosts, so the hit is still
+  exact). So a request holds at most ``config.window_live_blocks`` at once, however long it
+  runs: it may outgrow the pool. With one full-attention layer (Gemma 3's global ones)
+  every block stays needed: nothing is released early.
 - Hashes are registered when ``allocate_slots`` makes a block full, before the step that
   writes its K/V runs: a request scheduled in the same step may hit it. So the runner must
   write every new K/V of a step before attention reads (per layer), and must run every
@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from tinyserve.config import window_live_blocks
 from tinyserve.request import Request
 
+GONE = -1  # a prefix hit whose block was evicted (windowed models; get_computed_blocks)
+GHOSTS_PER_BLOCK = 4  # evicted identities kept, per block of the pool (~100 bytes each)
+
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained block hash: a block's hash depends on every token before it.
-
-    Python hashes of ints/tuples do not depend on PYTHONHASHSEED, so they are stable.
-    Collisions are possible; lookups compare the stored tokens and parent (see KVCacheBlock).
-    """
+    """Chained block hash: a block's hash depends on every token before it. Stable (int and
+    tuple hashes ignore PYTHONHASHSEED); lookups compare the tokens and parent (KVCacheBlock)."""
     return hash((parent_hash, token_ids))
 
 
@@ -94,6 +94,9 @@ class KVCacheManager:
         self._req_to_chain: dict[str, _HashChain] = {}
         self._num_dead: dict[str, int] = {}  # leading table entries released (left of window)
         self._content_ids = itertools.count()
+        # With a window on every layer: evicted hashed blocks' identities (tokens, content id,
+        # parent's), so a hit may pass over them left of its window and stay exact.
+        self._ghosts: OrderedDict[int, tuple] = OrderedDict()
         # vLLM's prefix-cache metrics: tokens looked up / tokens found; and the same in blocks.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -169,15 +172,18 @@ class KVCacheManager:
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens)
-            block_id = self.cached_block_hash_to_block.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != block_tokens or block.parent_content_id != parent_content_id:
-                break  # hash collision: a miss
+            block_id = self.cached_block_hash_to_block.get(block_hash, GONE)
+            ident = (
+                self._ghosts.get(block_hash) if block_id == GONE else _ident(self.blocks[block_id])
+            )
+            if ident is None or ident[0] != block_tokens or ident[2] != parent_content_id:
+                break  # a miss (or a hash collision)
             hits.append(block_id)
-            parent_hash, parent_content_id = block_hash, block.content_id
-        return hits, len(hits) * bs
+            parent_hash, parent_content_id = block_hash, ident[1]
+        n = len(hits)  # evicted blocks (GONE) may stand only left of the first query's window
+        while GONE in hits[self._left_of(n * bs) : n]:
+            n = max(i for i in range(n) if hits[i] == GONE)
+        return hits[:n], n * bs
 
     def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
         """Count one admitted request's prefix-cache lookup (vLLM's queries / hits, in tokens,
@@ -196,6 +202,7 @@ class KVCacheManager:
         for block in self.blocks:
             _clear_hash(block)
         self.cached_block_hash_to_block.clear()
+        self._ghosts.clear()
         for chain in self._req_to_chain.values():
             chain.cacheable = False
 
@@ -225,7 +232,7 @@ class KVCacheManager:
         num_required = request.num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-num_required // self.block_size) - num_held)
         # Hits left of the first new query's window are entered dead, never taken.
-        num_dead_hits = min(self._num_left_of_window(request), len(computed_blocks))
+        num_dead_hits = min(self._left_of(request.num_computed_tokens), len(computed_blocks))
         live_hits = computed_blocks[num_dead_hits:]
         # A free cached hit leaves the free queue too.
         num_free_hits = sum(1 for b in live_hits if self.blocks[b].ref_count == 0)
@@ -237,6 +244,9 @@ class KVCacheManager:
             self._req_to_chain[request_id] = _HashChain()
         chain = self._req_to_chain[request_id]
         for i, block_id in enumerate(computed_blocks):
+            if block_id == GONE:  # left of the window, evicted: any id stands in (dead)
+                self._enter_gone(request, table, chain)
+                continue
             block = self.blocks[block_id]
             if i >= num_dead_hits:
                 if block.ref_count == 0:
@@ -283,7 +293,7 @@ class KVCacheManager:
         """Release the blocks wholly left of the window of the request's next query (at
         ``num_computed_tokens``: later queries' windows start later still). Speculation only
         moves num_computed_tokens back over this step's rejected drafts, never below."""
-        dead = min(self._num_left_of_window(request), len(table))
+        dead = min(self._left_of(request.num_computed_tokens), len(table))
         rid = request.request_id
         for i in range(self._num_dead.get(rid, 0), dead):
             self._release(table[i])
@@ -297,11 +307,23 @@ class KVCacheManager:
                 request, table, self._req_to_chain[request.request_id], num_full
             )
 
-    def _num_left_of_window(self, request: Request) -> int:
-        """Blocks wholly left of the window of the request's next query (0: no window)."""
+    def _left_of(self, position: int) -> int:
+        """Blocks wholly left of the window of a query at ``position`` (0: no window)."""
         if self.sliding_window is None:
             return 0
-        return max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def _enter_gone(self, request: Request, table: list[int], chain: _HashChain) -> None:
+        """An evicted hit, dead in the table (block 0 stands in: a dead entry's values are
+        weighted 0), its identity from the ghosts (gone too: the chain registers no more)."""
+        i, bs = len(table), self.block_size
+        parent_hash = chain.hashes[-1] if chain.hashes else _root_hash(request)
+        tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+        ghost = self._ghosts.get(block_hash := hash_block_tokens(parent_hash, tokens))
+        chain.cacheable = chain.cacheable and ghost is not None
+        table.append(0)
+        chain.hashes.append(block_hash)
+        chain.content_ids.append(ghost[1] if ghost else None)
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; a block nobody holds joins the free queue's tail."""
@@ -325,9 +347,11 @@ class KVCacheManager:
             block = self.blocks[table[i]]
             cached_id = self.cached_block_hash_to_block.get(block_hash)
             if cached_id is None:
+                ghost = self._ghosts.pop(block_hash, None)  # the same content: its id again
+                same = ghost is not None and ghost[::2] == (block_tokens, parent_content_id)
                 block.block_hash = block_hash
                 block.token_ids = block_tokens
-                block.content_id = next(self._content_ids)
+                block.content_id = ghost[1] if same else next(self._content_ids)
                 block.parent_content_id = parent_content_id
                 self.cached_block_hash_to_block[block_hash] = block.block_id
                 content_id = block.content_id
@@ -350,7 +374,15 @@ class KVCacheManager:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.sliding_window is not None and self.enable_prefix_caching:
+                    self._ghosts[block.block_hash] = _ident(block)
+                    if len(self._ghosts) > GHOSTS_PER_BLOCK * self.num_total_blocks:
+                        self._ghosts.popitem(last=False)  # the oldest
         _clear_hash(block)
+
+
+def _ident(block: KVCacheBlock) -> tuple:
+    return (block.token_ids, block.content_id, block.parent_content_id)
 
 
 def _root_hash(request: Request) -> int | None:

@@ -1,10 +1,7 @@
-"""Frozen configuration objects, one per concern, validated on construction.
-
-``ModelConfig`` is built here from either checkpoint format: a Hugging Face ``config.json``
-dict (``from_hf_config``) or GGUF metadata (``from_gguf_metadata``).
-
-No torch or numpy here: the scheduler and the KV-cache manager import this module.
-"""
+"""Frozen configuration objects, one per concern, validated on construction. ``ModelConfig``
+is built here from either checkpoint format: a Hugging Face ``config.json`` dict
+(``from_hf_config``) or GGUF metadata (``from_gguf_metadata``). No torch or numpy here: the
+scheduler and the KV-cache manager import this module."""
 
 from __future__ import annotations
 
@@ -369,6 +366,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     # Tool-call arguments may hold undeclared properties (default: OpenAI's strict semantics).
     open_tool_arguments: bool = False
+    # JSON answers on one line (", " and ": "; entrypoints/structured_options.py), not the
+    # default bounded pretty-printing (structured/backend.py); a request's options win.
+    json_one_line: bool = False
     # <think> blocks to reasoning_content: "auto" (where the chat template has them), "think",
     # "none" (entrypoints/reasoning.py).
     reasoning_parser: str = "auto"

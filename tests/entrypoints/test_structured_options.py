@@ -13,7 +13,11 @@ import httpx
 import pytest
 
 from tests.support.api import MODEL, assert_error
+from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints.api_server import server_config_from_namespace
+from tinyserve.entrypoints.cli import build_parser
 from tinyserve.entrypoints.protocol import StructuredOutputsField
+from tinyserve.entrypoints.serving import OpenAIServing, response_format
 from tinyserve.entrypoints.structured_options import with_json_options
 from tinyserve.entrypoints.tools import TOOL_JSON_OPTIONS
 from tinyserve.sampling_params import StructuredOutputsParams
@@ -168,3 +172,28 @@ def test_bad_options_are_400s_naming_them(fake_server, so, param, words):
         # options alone with no JSON to shape change nothing: a plain answer
         plain = {**body, "structured_outputs": {"disable_any_whitespace": True}}
         assert c.post("/v1/chat/completions", json=plain).status_code == 200
+
+
+def test_the_servers_one_line_layout(backend, smollm2_tokenizer):
+    """`tinyserve serve --json-one-line`: a JSON constraint without a layout of the request's
+    own is written on one line (", " and ": ", json.dumps's form); a request's layout wins;
+    a regex stays as it is."""
+    ns = build_parser().parse_args(["serve", "--json-one-line"])
+    assert server_config_from_namespace(ns).json_one_line
+    assert not server_config_from_namespace(build_parser().parse_args(["serve"])).json_one_line
+    engine = type("E", (), {"tokenizer": smollm2_tokenizer})()
+    one_line, default = OpenAIServing(engine, "m", json_one_line=True), OpenAIServing(engine, "m")
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    req = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], response_format=fmt)
+    spaced, pretty = '{"name": "ab", "n": 5}', '{\n  "name": "ab",\n  "n": 5\n}'
+    for serving, takes_pretty in ((one_line, False), (default, True)):
+        params = serving.constraint(req, response_format(req), "response_format", [])
+        assert _takes(backend, params.json, spaced, smollm2_tokenizer)
+        assert _takes(backend, params.json, pretty, smollm2_tokenizer) is takes_pretty
+    own = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                  structured_outputs={"json": SCHEMA, "whitespace_pattern": "\n"})  # fmt: skip
+    params = one_line.constraint(own, None, "response_format", [])
+    assert not _takes(backend, params.json, spaced, smollm2_tokenizer)  # its own: no spaces
+    regex = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                    structured_outputs={"regex": "[a-z]+"})  # fmt: skip
+    assert one_line.constraint(regex, None, "response_format", []).regex == "[a-z]+"

@@ -160,7 +160,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     app.state.async_engine = async_engine
     # One handler per API over the shared steps (serving.py).
     common = (async_engine, model_name, config.shutdown_timeout, config.log_requests,
-              config.open_tool_arguments, config.reasoning_parser)  # fmt: skip
+              config.open_tool_arguments, config.reasoning_parser, config.json_one_line)  # fmt: skip
     app.state.model_name = model_name
     app.state.serving_chat = ChatServing(*common)
     app.state.serving_completion = CompletionServing(*common)
@@ -230,20 +230,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=d.max_request_bytes,
         help="refuse request bodies larger than this with 413",
     )
-    p.add_argument(
-        "--open-tool-arguments",
-        action="store_true",
-        help="let tool-call arguments hold properties their schema does not declare (by "
-        "default OpenAI's strict semantics: an object with properties takes only those, "
-        "unless its schema sets additionalProperties)",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        choices=("auto", "think", "none"),
-        default="auto",
-        help="chat answers' <think>...</think> block goes to message.reasoning_content: auto "
-        "(where the chat template has <think>: Qwen3, SmolLM3), think (always), none",
-    )
+    _add_output_args(p)
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -258,6 +245,31 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """How answers are shaped: tool arguments, JSON's layout, thinking blocks."""
+    p.add_argument(
+        "--open-tool-arguments",
+        action="store_true",
+        help="let tool-call arguments hold properties their schema does not declare (by "
+        "default OpenAI's strict semantics: an object with properties takes only those, "
+        "unless its schema sets additionalProperties)",
+    )
+    p.add_argument(
+        "--json-one-line",
+        action="store_true",
+        help="write structured-output JSON on one line (', ' and ': ', no other whitespace) "
+        "where a request names no layout; by default it may be pretty-printed, within bounds "
+        "(at most one newline and 40 spaces between tokens)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("auto", "think", "none"),
+        default="auto",
+        help="chat answers' <think>...</think> block goes to message.reasoning_content: auto "
+        "(where the chat template has <think>: Qwen3, SmolLM3), think (always), none",
+    )
 
 
 def _add_key_args(p: argparse.ArgumentParser) -> None:

@@ -42,7 +42,11 @@ from tinyserve.entrypoints.streaming import (
     sse,
     until_disconnect,
 )
-from tinyserve.entrypoints.structured_options import structured_outputs_field, with_json_options
+from tinyserve.entrypoints.structured_options import (
+    ONE_LINE,
+    structured_outputs_field,
+    with_json_options,
+)
 from tinyserve.entrypoints.tool_formats import calls_check, tool_format
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
@@ -79,8 +83,11 @@ class OpenAIServing:
         log_requests: bool = False,
         open_tool_arguments: bool = False,
         reasoning_parser: str = "auto",
+        json_one_line: bool = False,
     ) -> None:
         self.engine = async_engine
+        # JSON answers' layout where a request names none (--json-one-line; structured_options)
+        self.json_layout = ONE_LINE if json_one_line else None
         self.reasoning_parser = reasoning_parser  # entrypoints/reasoning.py
         # Tool arguments may hold properties their schema does not declare (--open-tool-arguments;
         # by default OpenAI's strict semantics: tools.closed_objects).
@@ -223,7 +230,7 @@ class OpenAIServing:
                 "structured_outputs",
             )
         if not tools:
-            return with_json_options(fmt or so, req.structured_outputs)
+            return with_json_options(fmt or so, req.structured_outputs, self.json_layout)
         if fmt is not None or so is not None:
             raise bad_request(f"tools: cannot be combined with {fmt_field}", "tools")
         return self.tools_constraint(tools, tool_choice, parallel_tool_calls)

@@ -33,6 +33,9 @@ from tinyserve.utils.regex_size import check_regex
 _MODES = ("json_", "regex", "choice", "grammar", "json_object")
 _NO_WHITESPACE = {"whitespace_flexible": False, "whitespace_pattern": None,
                   "item_separator": ",", "key_separator": ":"}  # fmt: skip
+# The server's --json-one-line layout: json.dumps's default form, the default before the
+# bounded pretty-printing of structured/backend.py.
+ONE_LINE = {**_NO_WHITESPACE, "item_separator": ", ", "key_separator": ": "}
 
 
 def structured_outputs_field(so: P.StructuredOutputsField | None) -> StructuredOutputsParams | None:
@@ -85,12 +88,16 @@ def _layout(so: P.StructuredOutputsField) -> dict | None:
 
 
 def with_json_options(
-    params: StructuredOutputsParams | None, so: P.StructuredOutputsField | None
+    params: StructuredOutputsParams | None,
+    so: P.StructuredOutputsField | None,
+    default_layout: dict | None = None,
 ) -> StructuredOutputsParams | None:
-    """``params`` with the field's JSON options applied where it asks for JSON."""
-    if so is None or params is None or (params.json is None and not params.json_object):
+    """``params`` with the field's JSON options applied where it asks for JSON; without a
+    layout of the request's own, ``default_layout`` (the server's --json-one-line)."""
+    if params is None or (params.json is None and not params.json_object):
         return params
-    layout, close = _layout(so), so.disable_additional_properties
+    layout = _layout(so) if so is not None else None
+    layout, close = layout or default_layout, so is not None and so.disable_additional_properties
     if layout is None and not close:
         return params
     schema = {"type": "object"} if params.json_object else params.json

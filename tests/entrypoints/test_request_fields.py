@@ -2,8 +2,9 @@
 chat completions, completions and responses parameters is honoured (a field of our request
 model), accepted and ignored as OpenAI treats metadata, or refused with a 400 naming it — the
 test reads the SDK's own type definitions, so a field a later SDK adds fails here until it is
-classified. vLLM's older ``guided_*`` keys constrain the output as ``structured_outputs``
-does; an unknown field is logged and ignored."""
+classified. vLLM's older ``guided_*`` keys (and llama.cpp server's ``grammar`` and
+``json_schema``) constrain the output as ``structured_outputs`` does; an unknown field is
+logged and ignored."""
 
 from __future__ import annotations
 
@@ -101,6 +102,11 @@ def test_ignored_fields_pass_and_unknown_ones_are_logged(fake_server, caplog):
                           "required": ["n"], "additionalProperties": False}},
          lambda t: isinstance(json.loads(t)["n"], int)),
         ({"guided_grammar": 'start: "a" ("b" | "c") "d"'}, lambda t: t in ("abd", "acd")),
+        # llama.cpp server's top-level keys
+        ({"grammar": 'root ::= "x" ("y" | "z")'}, lambda t: t in ("xy", "xz")),
+        ({"json_schema": {"type": "object", "properties": {"k": {"enum": ["p", "q"]}},
+                          "required": ["k"], "additionalProperties": False}},
+         lambda t: json.loads(t)["k"] in ("p", "q")),
     ],
 )  # fmt: skip
 def test_guided_aliases_constrain_the_output(client, guided, check):

@@ -121,6 +121,19 @@ def test_served_answers_follow_the_options(client):
             assert not re.search(r"\s", gaps), text
 
 
+def test_llama_cpps_json_object_with_a_schema(client):
+    """llama.cpp's server takes ``response_format: {"type": "json_object", "schema": ...}``:
+    the schema is followed (it was dropped: any JSON object came back)."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["teal", "plum"]}},
+              "required": ["color"]}  # fmt: skip
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A color as JSON."}],
+            "max_tokens": 30, "temperature": 0,
+            "response_format": {"type": "json_object", "schema": schema}}  # fmt: skip
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["message"]["content"]) in ({"color": "teal"}, {"color": "plum"})
+
+
 def test_a_clients_whitespace_pattern_is_checked_on_the_answer(client, smollm2_tokenizer):
     """A client's pattern may match more than JSON's whitespace: such an answer is parsed
     and validated before it is sent. With "x" allowed in the gaps and pushed by logit_bias,

@@ -134,6 +134,7 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama.cpp's, on json_object
 
 
 class StructuredOutputsField(_Request):
@@ -152,9 +153,10 @@ class StructuredOutputsField(_Request):
     structural_tag: Any = None  # a 400: not supported
 
 
-# vLLM's older keys, still sent by many clients: aliases of ``structured_outputs``.
+# vLLM's older keys and llama.cpp server's, sent by many clients: structured_outputs' aliases.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}  # fmt: skip
+          "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern",
+          "json_schema": "json", "grammar": "grammar"}  # fmt: skip
 
 
 class _SamplingFields(_Request):
@@ -168,11 +170,11 @@ class _SamplingFields(_Request):
     def _guided_aliases(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not any(k in data for k in GUIDED):
             return data
-        data = dict(data)
+        data, sent = dict(data), ", ".join(k for k in GUIDED if data.get(k) is not None)
         guided = {GUIDED[k]: data.pop(k) for k in list(data) if k in GUIDED}
         guided = {k: v for k, v in guided.items() if v is not None}
         if guided and data.get("structured_outputs") is not None:
-            raise ValueError("guided_*: an alias of structured_outputs; send one of them")
+            raise ValueError(f"{sent}: aliases of structured_outputs; send one of them")
         if guided:
             data["structured_outputs"] = guided
         return data

@@ -335,5 +335,7 @@ def response_format(req: P._SamplingFields) -> StructuredOutputsParams | None:
     schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema else None
     strict = fmt.json_schema.strict if fmt is not None and fmt.json_schema else None
     kind = fmt.type if fmt else None
+    if kind == "json_object" and fmt.schema_ is not None:  # llama.cpp's server's form
+        kind, schema = "json_schema", fmt.schema_
     return format_constraint(kind, schema, "response_format", "response_format.json_schema.schema",
                              strict)  # fmt: skip

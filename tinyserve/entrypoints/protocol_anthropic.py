@@ -83,9 +83,31 @@ class AnthropicToolChoice(_Request):
     disable_parallel_tool_use: bool = False
 
 
+class OutputFormat(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(..., alias="schema")
+
+
+class OutputConfig(_Request):
+    """``output_config``: ``format`` (Anthropic's structured outputs) is enforced by the
+    grammar as chat's ``response_format``; ``effort`` is accepted and changes nothing (the
+    served model has no effort to spend). Other keys are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: OutputFormat | None = None
+    effort: str | None = None
+
+
+# The SDK's request fields that are metadata, billing, routing or caching hints (accepted,
+# unused, as the chat path treats OpenAI's); tests classify every field of the SDK's type.
+IGNORED = frozenset({"metadata", "service_tier", "cache_control", "container", "diagnostics",
+                     "inference_geo", "speed", "user_profile_id", "workspace_id"})  # fmt: skip
+
+
 class MessagesRequest(_Request):
-    """The fields a Messages API client sends; unknown ones are ignored (``metadata``,
-    ``service_tier`` ...), as the chat path treats metadata."""
+    """The fields a Messages API client sends; the SDK's others are IGNORED, and unknown
+    ones too, as the chat path treats metadata."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -100,6 +122,7 @@ class MessagesRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
     def check(self) -> None:
         if self.thinking and self.thinking.get("type") not in (None, "disabled"):

@@ -18,7 +18,7 @@ from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailed
 from tinyserve.entrypoints import protocol_anthropic as A
 from tinyserve.entrypoints.http_guards import check_api_key
 from tinyserve.entrypoints.protocol import bad_request
-from tinyserve.entrypoints.serving import Job, OpenAIServing
+from tinyserve.entrypoints.serving import Job, OpenAIServing, format_constraint
 from tinyserve.entrypoints.streaming import (
     Choice,
     engine_error,
@@ -27,6 +27,7 @@ from tinyserve.entrypoints.streaming import (
     outputs,
     stream_deltas,
 )
+from tinyserve.entrypoints.structured_options import with_json_options
 from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams
 
@@ -46,6 +47,14 @@ class MessagesServing(OpenAIServing):
         if req.max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", "max_tokens")
         so = self.tools_constraint(tools, choice, parallel) if tools else None
+        fmt = req.output_config.format if req.output_config else None
+        if fmt is not None:  # Anthropic's structured outputs: chat's json_schema format
+            if tools:
+                raise bad_request("output_config.format: cannot be combined with tools here",
+                                  "output_config.format")  # fmt: skip
+            so = format_constraint("json_schema", fmt.schema_, "output_config.format",
+                                   "output_config.format.schema")  # fmt: skip
+            so = with_json_options(so, None, self.json_layout)  # --json-one-line
         try:
             params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,

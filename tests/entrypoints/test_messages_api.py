@@ -69,7 +69,7 @@ def test_stream_text_and_events(claude, client):
 
 def test_tool_round_trip(claude):
     # Greedy: sampled at temperature 1 the model may write up to 8 parallel calls and run
-    # out of max_tokens (seen once in a full run), which is not what this test is about.
+    # out of max_tokens (seen once), which is not what this test is about.
     m = claude.messages.create(model=MODEL, max_tokens=120, tools=[WEATHER],
                                tool_choice={"type": "any"}, messages=ASK,
                                extra_body={"temperature": 0})  # fmt: skip

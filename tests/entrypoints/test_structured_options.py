@@ -74,7 +74,8 @@ def test_options_reach_the_grammar(backend, smollm2_tokenizer):
 
 def test_json_object_and_a_schemas_own_layout():
     """json_object becomes the object schema in the asked layout; a schema's own
-    x-guidance keys win; a regex defines its own whitespace and is left as it is."""
+    x-guidance keys win; a regex defines its own whitespace and is left as it is, and so is
+    a boolean schema (it raised AttributeError, a 500, before)."""
     out = with_json_options(StructuredOutputsParams(json_object=True),
                             _options(disable_any_whitespace=True))  # fmt: skip
     assert out.json_object is None and out.json["type"] == "object"
@@ -86,6 +87,8 @@ def test_json_object_and_a_schemas_own_layout():
     assert out.json["x-guidance"]["whitespace_flexible"] is False
     regex = StructuredOutputsParams(regex="[a-z]+")
     assert with_json_options(regex, _options(disable_any_whitespace=True)) is regex
+    anything = StructuredOutputsParams(json="true")  # a boolean schema: nothing to shape
+    assert with_json_options(anything, _options(disable_any_whitespace=True)) is anything
 
 
 def _outside_strings(text: str) -> str:

@@ -315,7 +315,7 @@ class KVCacheManager:
 
     def _enter_gone(self, request: Request, table: list[int], chain: _HashChain) -> None:
         """An evicted hit, dead in the table (block 0 stands in: a dead entry's values are
-        weighted 0), its identity from the ghosts (gone too: the chain registers no more)."""
+        weighted 0), its identity from its ghost (none left: the request registers no more)."""
         i, bs = len(table), self.block_size
         parent_hash = chain.hashes[-1] if chain.hashes else _root_hash(request)
         tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
@@ -348,7 +348,7 @@ class KVCacheManager:
             cached_id = self.cached_block_hash_to_block.get(block_hash)
             if cached_id is None:
                 ghost = self._ghosts.pop(block_hash, None)  # the same content: its id again
-                same = ghost is not None and ghost[::2] == (block_tokens, parent_content_id)
+                same = ghost and ghost[0] == block_tokens and ghost[2] == parent_content_id
                 block.block_hash = block_hash
                 block.token_ids = block_tokens
                 block.content_id = ghost[1] if same else next(self._content_ids)

@@ -102,7 +102,9 @@ def with_json_options(
         return params
     schema = {"type": "object"} if params.json_object else params.json
     if isinstance(schema, str):
-        schema = json.loads(schema)  # valid: the params checked it
+        schema = json.loads(schema)  # valid JSON: the params checked it
+    if not isinstance(schema, dict):  # a boolean schema: no object to shape or close
+        return params
     if close:
         schema = closed_objects(schema)
     if layout is not None:

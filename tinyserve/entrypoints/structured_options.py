@@ -26,6 +26,7 @@ import json
 
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import bad_request
+from tinyserve.entrypoints.tools import TOOL_JSON_OPTIONS
 from tinyserve.sampling_params import StructuredOutputsParams
 from tinyserve.structured.strict import closed_objects
 from tinyserve.utils.regex_size import check_regex
@@ -33,9 +34,9 @@ from tinyserve.utils.regex_size import check_regex
 _MODES = ("json_", "regex", "choice", "grammar", "json_object")
 _NO_WHITESPACE = {"whitespace_flexible": False, "whitespace_pattern": None,
                   "item_separator": ",", "key_separator": ":"}  # fmt: skip
-# The server's --json-one-line layout: json.dumps's default form, the default before the
-# bounded pretty-printing of structured/backend.py.
-ONE_LINE = {**_NO_WHITESPACE, "item_separator": ", ", "key_separator": ": "}
+# The server's --json-one-line layout: the tool calls' own (json.dumps's default form), the
+# default before the bounded pretty-printing of structured/backend.py.
+ONE_LINE = {k: v for k, v in TOOL_JSON_OPTIONS.items() if k in _NO_WHITESPACE}
 
 
 def structured_outputs_field(so: P.StructuredOutputsField | None) -> StructuredOutputsParams | None:

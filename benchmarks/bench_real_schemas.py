@@ -64,11 +64,14 @@ def check(schema: dict, text: str) -> tuple[str, bool]:
     return "valid", next(iter(formats.iter_errors(value)), None) is None
 
 
-def one(url: str, model: str, item: dict, max_tokens: int, extra: dict | None = None) -> dict:
+def one(url: str, model: str, item: dict, max_tokens: int, extra: dict | None = None,
+        temperature: float = 0.0) -> dict:  # fmt: skip
     schema = {**item["schema"], "x-guidance": extra} if extra else item["schema"]
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     body = {"model": model, "messages": [{"role": "user", "content": prompt_of(item)}],
-            "max_tokens": max_tokens, "temperature": 0, "response_format": fmt}  # fmt: skip
+            "max_tokens": max_tokens, "temperature": temperature, "response_format": fmt}  # fmt: skip
+    if temperature:  # sampled: a seed per schema, the same on every server and layout
+        body["seed"] = sum(map(ord, item["name"]))
     t0 = time.perf_counter()
     row = {"name": item["name"]}
     try:
@@ -93,11 +96,18 @@ def one(url: str, model: str, item: dict, max_tokens: int, extra: dict | None = 
 
 
 def run(
-    url: str, model: str, sample: list[dict], max_tokens: int, concurrency: int, extra=None
+    url: str,
+    model: str,
+    sample: list[dict],
+    max_tokens: int,
+    concurrency: int,
+    extra=None,
+    temperature: float = 0.0,
 ) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
-        rows = list(ex.map(lambda it: one(url, model, it, max_tokens, extra), sample))
+        rows = list(ex.map(lambda it: one(url, model, it, max_tokens, extra, temperature),
+                           sample))  # fmt: skip
     counts = Counter(r["class"] for r in rows)
     summary = {c: counts.get(c, 0) for c in CLASSES}
     summary["bad_format"] = sum(r.get("formats_ok") is False for r in rows)
@@ -121,14 +131,17 @@ def main() -> None:
     ap.add_argument("--x-guidance", type=json.loads, default=None,
                     help="JSON put under each schema's top-level x-guidance (tinyserve's "
                     "llguidance options, e.g. whitespace)")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the default); above: sampled, seeded per schema")  # fmt: skip
     args = ap.parse_args()
     sample = json.loads(args.sample.read_text()) if args.sample.exists() else build()
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     results = old.get("servers", {})
     for label, url in (s.split("=", 1) for s in args.server):
         results[label] = run(url, args.model, sample, args.max_tokens, args.concurrency,
-                             args.x_guidance)  # fmt: skip
+                             args.x_guidance, args.temperature)  # fmt: skip
         results[label]["x_guidance"] = args.x_guidance
+        results[label]["temperature"] = args.temperature
         print(label, json.dumps(results[label]["summary"]), flush=True)
     out = {"machine": machine_info(), "max_tokens": args.max_tokens,
            "sample": [s["name"] for s in sample], "servers": results}  # fmt: skip

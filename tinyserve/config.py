@@ -366,9 +366,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     # Tool-call arguments may hold undeclared properties (default: OpenAI's strict semantics).
     open_tool_arguments: bool = False
-    # JSON answers on one line (", " and ": "; entrypoints/structured_options.py), not the
-    # default bounded pretty-printing (structured/backend.py); a request's options win.
-    json_one_line: bool = False
+    # JSON answers may be pretty-printed within bounds (entrypoints/structured_options.py),
+    # not only on one line (structured/backend.py's default); a request's options win.
+    json_pretty: bool = False
     # <think> blocks to reasoning_content: "auto" (where the chat template has them), "think",
     # "none" (entrypoints/reasoning.py).
     reasoning_parser: str = "auto"

@@ -97,9 +97,9 @@ def _outside_strings(text: str) -> str:
 
 def test_served_answers_follow_the_options(client):
     """Real answers of the default model: no whitespace at all; newlines only (guided_*
-    aliases); and options alone shaping a response_format schema. Under the default layout
-    this model writes '": "' (tests/structured: the layout takes it), so each check fails
-    where the option is dropped."""
+    aliases); and options alone shaping a response_format schema. The default layout is
+    '", "' and '": "' (structured/backend.py), so each check fails where the option is
+    dropped."""
     msgs = [{"role": "user", "content": "Give a name and a number as JSON."}]
     base = {"model": MODEL, "messages": msgs, "max_tokens": 80, "temperature": 0}
     closed = {**SCHEMA, "additionalProperties": False}
@@ -190,26 +190,28 @@ def test_bad_options_are_400s_naming_them(fake_server, so, param, words):
         assert c.post("/v1/chat/completions", json=plain).status_code == 200
 
 
-def test_the_servers_one_line_layout(backend, smollm2_tokenizer):
-    """`tinyserve serve --json-one-line`: a JSON constraint without a layout of the request's
-    own is written on one line (", " and ": ", json.dumps's form); a request's layout wins;
+def test_the_servers_pretty_layout(backend, smollm2_tokenizer):
+    """`tinyserve serve --json-pretty`: a JSON constraint without a layout of the request's
+    own may be pretty-printed within bounds (by default: one line); a request's layout wins;
     a regex stays as it is."""
-    ns = build_parser().parse_args(["serve", "--json-one-line"])
-    assert server_config_from_namespace(ns).json_one_line
-    assert not server_config_from_namespace(build_parser().parse_args(["serve"])).json_one_line
+    ns = build_parser().parse_args(["serve", "--json-pretty"])
+    assert server_config_from_namespace(ns).json_pretty
+    assert not server_config_from_namespace(build_parser().parse_args(["serve"])).json_pretty
     engine = type("E", (), {"tokenizer": smollm2_tokenizer})()
-    one_line, default = OpenAIServing(engine, "m", json_one_line=True), OpenAIServing(engine, "m")
+    pretty, default = OpenAIServing(engine, "m", json_pretty=True), OpenAIServing(engine, "m")
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
     req = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], response_format=fmt)
-    spaced, pretty = '{"name": "ab", "n": 5}', '{\n  "name": "ab",\n  "n": 5\n}'
-    for serving, takes_pretty in ((one_line, False), (default, True)):
+    spaced, indented = '{"name": "ab", "n": 5}', '{\n  "name": "ab",\n  "n": 5\n}'
+    for serving, takes_indented in ((pretty, True), (default, False)):
         params = serving.constraint(req, response_format(req), "response_format", [])
         assert _takes(backend, params.json, spaced, smollm2_tokenizer)
-        assert _takes(backend, params.json, pretty, smollm2_tokenizer) is takes_pretty
+        assert _takes(backend, params.json, indented, smollm2_tokenizer) is takes_indented
     own = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                   structured_outputs={"json": SCHEMA, "whitespace_pattern": "\n"})  # fmt: skip
-    params = one_line.constraint(own, None, "response_format", [])
+    params = pretty.constraint(own, None, "response_format", [])
     assert not _takes(backend, params.json, spaced, smollm2_tokenizer)  # its own: no spaces
+    assert not needs_final_check(json.dumps(pretty.constraint(req, response_format(req),
+                                 "response_format", []).json))  # fmt: skip
     regex = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                     structured_outputs={"regex": "[a-z]+"})  # fmt: skip
-    assert one_line.constraint(regex, None, "response_format", []).regex == "[a-z]+"
+    assert pretty.constraint(regex, None, "response_format", []).regex == "[a-z]+"

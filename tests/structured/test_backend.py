@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tinyserve.entrypoints.tools import TOOL_JSON_OPTIONS
+from tinyserve.entrypoints.structured_options import PRETTY
 from tinyserve.structured.backend import GrammarBackend
 from tinyserve.structured.spec import StructuredOutputSpec
 from tinyserve.worker.sampler import apply_grammar_bitmask
@@ -234,12 +234,11 @@ def test_rollback_of_eos_restores_the_state_before_it(backend, smollm2_tokenizer
     assert matcher.accept_tokens([eos]) and matcher.is_terminated()
 
 
-def test_forced_tokens_spell_what_the_grammar_allows_alone(backend, smollm2_tokenizer):
-    """Fast-forward: from the start SCHEMA on one line (the tool calls' layout) forces
-    '{"name": "' (its first property is required); inside the free string nothing is forced;
-    each forced token is the only one its mask allows; after the end nothing."""
-    one_line = {**SCHEMA, "x-guidance": TOOL_JSON_OPTIONS}
-    m = backend.matcher(backend.compile(StructuredOutputSpec.json_schema(one_line)))
+def test_forced_tokens_spell_what_the_grammar_allows_alone(backend, compiled, smollm2_tokenizer):
+    """Fast-forward: from the start SCHEMA forces '{"name": "' (its first property is
+    required); inside the free string nothing is forced; each forced token is the only one
+    its mask allows; after the end nothing."""
+    m = backend.matcher(compiled)
     forced = m.forced_tokens()
     assert forced and '{"name": "'.startswith(smollm2_tokenizer.decode(forced))
     bitmask = backend.allocate_bitmask(1)
@@ -275,22 +274,19 @@ def _takes(backend, compiled, text: str, tokenizer) -> bool:
     )
 
 
-def test_json_layout_is_pretty_printing_bounded(backend, compiled, smollm2_tokenizer):
-    """The default layout (issue 39, measured: fewer answers cut by max_tokens than one line)
-    takes json.dumps's one-line and indent=2 forms of the same object and the bare one; it
-    refuses runs of whitespace an answer could pad itself with (two newlines, 41 spaces), and
-    whitespace before the first bracket. A schema's x-guidance (the tool calls' one-line form)
-    refuses the indented form."""
+def test_json_layout_is_one_line_and_pretty_is_bounded(backend, compiled, smollm2_tokenizer):
+    """The default layout (issue 39) is json.dumps's one-line form; the --json-pretty layout
+    takes that, its indent=2 form and the bare one, and refuses runs of whitespace an answer
+    could pad itself with (two newlines, 2 spaces, 41 spaces of indent) and whitespace
+    before the first bracket or after the last."""
     value = json.loads(DOC)
+    assert _takes(backend, compiled, DOC, smollm2_tokenizer)
+    assert not _takes(backend, compiled, json.dumps(value, indent=2), smollm2_tokenizer)
+    pretty = backend.compile(StructuredOutputSpec.json_schema({**SCHEMA, "x-guidance": PRETTY}))
     for text in (DOC, json.dumps(value, indent=2), json.dumps(value, separators=(",", ":"))):
-        assert _takes(backend, compiled, text, smollm2_tokenizer), text
+        assert _takes(backend, pretty, text, smollm2_tokenizer), text
     for text in ('{\n\n  "name": "ab", "n": 12, "tags": ["x"]}',
                  '{' + " " * 2 + '"name": "ab", "n": 12, "tags": ["x"]}',
                  '{\n' + " " * 41 + '"name": "ab", "n": 12, "tags": ["x"]}',
                  ' ' + DOC, DOC + "\n"):  # fmt: skip
-        assert not _takes(backend, compiled, text, smollm2_tokenizer), text
-    one_line = backend.compile(
-        StructuredOutputSpec.json_schema({**SCHEMA, "x-guidance": TOOL_JSON_OPTIONS})
-    )
-    assert _takes(backend, one_line, DOC, smollm2_tokenizer)
-    assert not _takes(backend, one_line, json.dumps(value, indent=2), smollm2_tokenizer)
+        assert not _takes(backend, pretty, text, smollm2_tokenizer), text

@@ -160,7 +160,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     app.state.async_engine = async_engine
     # One handler per API over the shared steps (serving.py).
     common = (async_engine, model_name, config.shutdown_timeout, config.log_requests,
-              config.open_tool_arguments, config.reasoning_parser, config.json_one_line)  # fmt: skip
+              config.open_tool_arguments, config.reasoning_parser, config.json_pretty)  # fmt: skip
     app.state.model_name = model_name
     app.state.serving_chat = ChatServing(*common)
     app.state.serving_completion = CompletionServing(*common)
@@ -257,11 +257,11 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         "unless its schema sets additionalProperties)",
     )
     p.add_argument(
-        "--json-one-line",
+        "--json-pretty",
         action="store_true",
-        help="write structured-output JSON on one line (', ' and ': ', no other whitespace) "
-        "where a request names no layout; by default it may be pretty-printed, within bounds "
-        "(at most one newline and 40 spaces between tokens)",
+        help="let structured-output JSON be pretty-printed, within bounds (at most one newline "
+        "and 40 spaces between tokens), where a request names no layout; by default it is "
+        "written on one line (', ' and ': ', no other whitespace)",
     )
     p.add_argument(
         "--reasoning-parser",

@@ -43,7 +43,7 @@ from tinyserve.entrypoints.streaming import (
     until_disconnect,
 )
 from tinyserve.entrypoints.structured_options import (
-    ONE_LINE,
+    PRETTY,
     structured_outputs_field,
     with_json_options,
 )
@@ -83,11 +83,11 @@ class OpenAIServing:
         log_requests: bool = False,
         open_tool_arguments: bool = False,
         reasoning_parser: str = "auto",
-        json_one_line: bool = False,
+        json_pretty: bool = False,
     ) -> None:
         self.engine = async_engine
-        # JSON answers' layout where a request names none (--json-one-line; structured_options)
-        self.json_layout = ONE_LINE if json_one_line else None
+        # JSON answers' layout where a request names none (--json-pretty; structured_options)
+        self.json_layout = PRETTY if json_pretty else None
         self.reasoning_parser = reasoning_parser  # entrypoints/reasoning.py
         # Tool arguments may hold properties their schema does not declare (--open-tool-arguments;
         # by default OpenAI's strict semantics: tools.closed_objects).

@@ -54,7 +54,7 @@ class MessagesServing(OpenAIServing):
                                   "output_config.format")  # fmt: skip
             so = format_constraint("json_schema", fmt.schema_, "output_config.format",
                                    "output_config.format.schema")  # fmt: skip
-            so = with_json_options(so, None, self.json_layout)  # --json-one-line
+            so = with_json_options(so, None, self.json_layout)  # --json-pretty
         try:
             params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,

@@ -26,17 +26,17 @@ import json
 
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import bad_request
-from tinyserve.entrypoints.tools import TOOL_JSON_OPTIONS
 from tinyserve.sampling_params import StructuredOutputsParams
+from tinyserve.structured.schema_approx import PRETTY_WHITESPACE
 from tinyserve.structured.strict import closed_objects
 from tinyserve.utils.regex_size import check_regex
 
 _MODES = ("json_", "regex", "choice", "grammar", "json_object")
 _NO_WHITESPACE = {"whitespace_flexible": False, "whitespace_pattern": None,
                   "item_separator": ",", "key_separator": ":"}  # fmt: skip
-# The server's --json-one-line layout: the tool calls' own (json.dumps's default form), the
-# default before the bounded pretty-printing of structured/backend.py.
-ONE_LINE = {k: v for k, v in TOOL_JSON_OPTIONS.items() if k in _NO_WHITESPACE}
+# The server's --json-pretty layout: ',' and ':' with, in each gap, at most one space or one
+# newline and up to 40 spaces (json.dumps's one-line and indent=2 forms both pass).
+PRETTY = {**_NO_WHITESPACE, "whitespace_flexible": True, "whitespace_pattern": PRETTY_WHITESPACE}
 
 
 def structured_outputs_field(so: P.StructuredOutputsField | None) -> StructuredOutputsParams | None:
@@ -94,7 +94,7 @@ def with_json_options(
     default_layout: dict | None = None,
 ) -> StructuredOutputsParams | None:
     """``params`` with the field's JSON options applied where it asks for JSON; without a
-    layout of the request's own, ``default_layout`` (the server's --json-one-line)."""
+    layout of the request's own, ``default_layout`` (the server's --json-pretty)."""
     if params is None or (params.json is None and not params.json_object):
         return params
     layout = _layout(so) if so is not None else None

@@ -26,7 +26,9 @@ ways, and neither can let an invalid answer through:
   processor runs it when the grammar ends the answer) and a failure ends the request with a
   400 naming the field and the keyword, never a 200.
 
-Every schema carrying one of these keywords is checked after, narrowed or not.
+Every schema carrying one of these keywords is checked after, narrowed or not; so is every
+schema with a ``oneOf``, which the library compiles as ``anyOf`` (exact where the branches
+are disjoint; an answer valid under two branches is not valid under ``oneOf``).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def uses_keywords(schema) -> bool:
         return any(uses_keywords(s) for s in schema)
     if not isinstance(schema, dict):
         return False
-    if KEYWORDS & schema.keys() or _lookaround(schema):
-        return True
+    if KEYWORDS & schema.keys() or "oneOf" in schema or _lookaround(schema):
+        return True  # (oneOf is compiled as anyOf: wider where its branches overlap)
     return any(uses_keywords(s) for s in _children(schema))
 
 
@@ -350,10 +352,15 @@ def needs_final_check(schema_text: str) -> bool:
     return uses_keywords(schema)
 
 
+# The whitespace of `serve --json-pretty`'s layout: in each gap at most one space, or one
+# newline and up to 40 spaces (as llama.cpp's json.gbnf bounds it).
+PRETTY_WHITESPACE = r"[ ]?|\n[ ]{0,40}"
 # llguidance's JSON options, and the values of them that keep every answer JSON (free
-# whitespace is JSON's; the tools' one-line layout and disable_any_whitespace's use these).
+# whitespace is JSON's; the tools' one-line layout, disable_any_whitespace's and
+# --json-pretty's use these).
 _SAFE_OPTIONS = {"whitespace_flexible": (True, False), "coerce_one_of": (True, False),
-                 "item_separator": (",", ", "), "key_separator": (":", ": ")}  # fmt: skip
+                 "item_separator": (",", ", "), "key_separator": (":", ": "),
+                 "whitespace_pattern": (PRETTY_WHITESPACE,)}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=32)

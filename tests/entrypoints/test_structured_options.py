@@ -188,6 +188,11 @@ def test_bad_options_are_400s_naming_them(fake_server, so, param, words):
         # options alone with no JSON to shape change nothing: a plain answer
         plain = {**body, "structured_outputs": {"disable_any_whitespace": True}}
         assert c.post("/v1/chat/completions", json=plain).status_code == 200
+        # beside tools (written on one line whatever they ask) they are a 400, not dropped
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        err = assert_error(c.post("/v1/chat/completions", json={**plain, "tools": [tool]}),
+                           400, "tools")  # fmt: skip
+        assert "structured_outputs" in err["message"]
 
 
 def test_the_servers_pretty_layout(backend, smollm2_tokenizer):

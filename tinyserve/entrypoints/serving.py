@@ -233,6 +233,8 @@ class OpenAIServing:
             return with_json_options(fmt or so, req.structured_outputs, self.json_layout)
         if fmt is not None or so is not None:
             raise bad_request(f"tools: cannot be combined with {fmt_field}", "tools")
+        if req.structured_outputs is not None:  # its JSON options alone: not for tool calls
+            raise bad_request("tools: cannot be combined with structured_outputs", "tools")
         return self.tools_constraint(tools, tool_choice, parallel_tool_calls)
 
     def tools_constraint(

@@ -36,7 +36,8 @@ PARSER_LIMITS = dict(
     max_grammar_size=2_000_000, max_lexer_states=250_000, step_lexer_fuel=1_000_000
 )
 # oneOf is compiled as anyOf (exact when the branches are disjoint, the usual case: a type and
-# null, or objects told apart by a const); llguidance refuses it otherwise.
+# null, or objects told apart by a const; llguidance refuses it otherwise); an answer to a
+# schema with a oneOf is validated after generation (schema_approx.uses_keywords).
 # The JSON layout: one line, ", " and ": " between items (json.dumps's form), no other
 # whitespace, as issue 39 asked. Bounded pretty-printing (schema_approx.PRETTY_WHITESPACE,
 # `serve --json-pretty`) was measured against it on 100 real-world schemas

@@ -52,7 +52,8 @@ _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 def uses_keywords(schema) -> bool:
-    """True when some schema node of ``schema`` carries a keyword of ``KEYWORDS``."""
+    """True when some schema node of ``schema`` carries a keyword of ``KEYWORDS``, a
+    ``oneOf`` or a look-around pattern: an answer the grammar ends must still be checked."""
     if isinstance(schema, list):
         return any(uses_keywords(s) for s in schema)
     if not isinstance(schema, dict):
@@ -336,8 +337,8 @@ def _dependencies(node: dict) -> None:
 @functools.lru_cache(maxsize=128)
 def needs_final_check(schema_text: str) -> bool:
     """``uses_keywords`` of a schema given as JSON text (cached: asked once per answer), or
-    grammar options of the client's own in its top-level ``x-guidance`` beyond the two that
-    keep JSON JSON: a whitespace pattern (vLLM's ``whitespace_pattern``), separators or
+    grammar options of the client's own in its top-level ``x-guidance`` outside
+    ``_SAFE_OPTIONS``: a whitespace pattern (vLLM's ``whitespace_pattern``), separators or
     leniency may let through text that is not JSON, or not valid, so such an answer is
     parsed and validated before it is sent."""
     try:

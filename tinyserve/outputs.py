@@ -18,6 +18,9 @@ class ScheduledRequest:
     # Speculative decoding: draft tokens verified this step, after the request's last token;
     # counted in num_new_tokens (their K/V is computed, and kept only if they are accepted).
     spec_token_ids: list[int] = field(default_factory=list)
+    # A hybrid model's windowed layers' own block table (engine/hybrid_kv_cache_manager.py);
+    # None: every layer reads ``block_ids``.
+    window_block_ids: list[int] | None = None
 
     @property
     def samples(self) -> bool:

@@ -3,8 +3,8 @@ with every layer's window releases a request's blocks once no later query of it 
 them, keeps them in the prefix cache, and releases each once; the engine serving a tiny
 Mistral whose every layer has a 6-position window gives transformers' greedy tokens past
 the window with its blocks released as it goes, the same tokens with the prefix cache (hits
-past the window) and without, and without releasing; a model with a full-attention layer
-(Gemma 3) releases nothing."""
+past the window) and without, and without releasing. A model with full-attention layers
+too (Gemma 3) has a pool per layer group: tests/engine/test_hybrid_kv_cache.py."""
 
 from __future__ import annotations
 
@@ -193,22 +193,6 @@ def test_prefix_cache_hits_past_the_window_give_the_uncached_tokens(mistral):
     engine.core.kv_cache_manager.sliding_window = None  # keep every block: the same tokens
     done = run_alone(engine, requests)
     assert {rid: done[rid].token_ids for rid, _, _ in requests} == outs[True]
-
-
-def test_a_full_attention_layer_keeps_every_block(tmp_path):
-    """Gemma 3 (local layers windowed, one global): transformers' greedy tokens past the
-    window through the engine, every block held to the end."""
-    from tinyserve.testing.checkpoints import build_hf, save_hf, tiny_config
-
-    hf = build_hf(tiny_config("gemma3", sliding_window=WINDOW, initializer_range=0.5))
-    engine = tiny_engine(str(save_hf(hf, tmp_path / "g")), num_blocks=64, block_size=4,
-                         enable_prefix_caching=False)  # fmt: skip
-    assert engine.core.kv_cache_manager.sliding_window is None
-    held = _held_blocks_each_step(engine, "g")
-    prompt = random_prompt(20, seed=7)
-    got = run_alone(engine, [("g", prompt, greedy(16))])["g"].token_ids
-    assert got == _hf_greedy(hf, prompt, 16)
-    assert held == [-(-n // 4) for n in range(20, 36)]  # every block of its n tokens
 
 
 def test_speculative_verification_past_the_window_keeps_the_tokens(mistral):

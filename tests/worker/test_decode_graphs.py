@@ -16,7 +16,7 @@ from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.kernels import triton_attention
 from tinyserve.models import loader
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.testing.checkpoints import build_hf, llama_config, qwen2_config, save_hf
+from tinyserve.testing.checkpoints import build_hf, llama_config, qwen2_config, save_hf, tiny_config
 from tinyserve.worker import executor
 from tinyserve.worker.decode_graphs import DecodeGraphs, buckets_for
 from tinyserve.worker.model_runner import ModelRunner, StepInput
@@ -27,6 +27,10 @@ def tiny_dirs(tmp_path_factory):
     return {
         "llama": save_hf(build_hf(llama_config()), tmp_path_factory.mktemp("llama")),
         "qwen2": save_hf(build_hf(qwen2_config()), tmp_path_factory.mktemp("qwen2")),
+        # Hybrid: its windowed layers read their own pool (32 blocks here, the full one 96).
+        "gemma3": save_hf(
+            build_hf(tiny_config("gemma3", sliding_window=6)), tmp_path_factory.mktemp("gemma3")
+        ),
     }
 
 
@@ -79,8 +83,10 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True,
 
 
 @pytest.mark.parametrize(
-    "arch,backend,count", [("llama", "masked", 5), ("qwen2", "masked", 5), ("llama", "triton", 3)]
-)
+    "arch,backend,count",
+    [("llama", "masked", 5), ("qwen2", "masked", 5), ("gemma3", "masked", 5),
+     ("llama", "triton", 3)],
+)  # fmt: skip
 def test_fixed_buffer_decode_matches_the_ordinary_path(tiny_dirs, arch, backend, count,
                                                        monkeypatch):  # fmt: skip
     """Greedy tokens equal and logprobs within float32 noise: requests of ragged lengths
@@ -96,6 +102,7 @@ def test_fixed_buffer_decode_matches_the_ordinary_path(tiny_dirs, arch, backend,
     engine = _engine(tiny_dirs[arch])
     graphs = engine.executor.runner.decode_graphs
     assert graphs is not None and graphs.backend == backend
+    assert (graphs.window is not None) == (engine.executor.num_window_blocks is not None)
     fixed = _run(engine, prompts, params)
     assert graphs.num_replays >= max(p.max_tokens for p in params) - 1  # decode steps took it
     assert fixed[0] == plain[0]

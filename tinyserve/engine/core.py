@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from tinyserve.engine.arg_utils import EngineConfig
 from tinyserve.engine.client import EngineStats, WorkerDiedError
 from tinyserve.engine.engine_view import EngineView
+from tinyserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.engine.scheduler import Scheduler
 from tinyserve.engine.structured_output import StructuredOutputManager
@@ -23,6 +24,7 @@ from tinyserve.spec_decode.config import SpeculativeConfig
 from tinyserve.spec_decode.proposer import NgramProposer
 
 if TYPE_CHECKING:  # the core stays torch-free: LLMEngine builds the executor and hands it in
+    from tinyserve.config import CacheConfig
     from tinyserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,17 @@ def _core_output(
     return EngineCoreOutput(failed + update.requests, kept)
 
 
+def _kv_cache_manager(executor: Executor, cache: CacheConfig) -> KVCacheManager:
+    num_window_blocks = executor.num_window_blocks
+    if num_window_blocks is None:
+        return KVCacheManager(executor.num_blocks, cache.block_size,
+                              enable_prefix_caching=cache.enable_prefix_caching,
+                              sliding_window=executor.model_config.uniform_window)  # fmt: skip
+    return HybridKVCacheManager(executor.num_blocks, num_window_blocks, cache.block_size,
+                                executor.model_config.sliding_window,
+                                enable_prefix_caching=cache.enable_prefix_caching)  # fmt: skip
+
+
 class EngineCore:
     def __init__(
         self,
@@ -57,15 +70,10 @@ class EngineCore:
         self.scheduler_config = dataclasses.replace(
             config.scheduler, max_model_len=executor.max_model_len
         )
-        # Blocks every layer has left behind are released only where every layer has the
-        # same window (Mistral, Phi-3-mini); a full-attention layer (Gemma 3's global ones)
-        # reads them all (vLLM's hybrid allocator frees per layer group; here: per model).
-        self.kv_cache_manager = KVCacheManager(
-            executor.num_blocks,
-            config.cache.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            sliding_window=executor.model_config.uniform_window,
-        )
+        # Blocks left of the window are released where every layer has the same window
+        # (Mistral, Phi-3-mini); a model mixing windowed and full layers (Gemma 3) has a
+        # pool per layer group, the windowed layers' released as for those.
+        self.kv_cache_manager = _kv_cache_manager(executor, config.cache)
         spec = config.speculative
         # With speculation off only requests with a prediction draft (theirs).
         self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None,

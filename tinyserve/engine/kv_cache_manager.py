@@ -1,7 +1,8 @@
 """KVCacheManager: the paged KV cache's bookkeeping (block ids, ref counts, prefix hashes).
 
 Plain Python, no torch: the K/V tensors live in the worker; this module only decides which
-block ids a request's tokens go to.
+block ids a request's tokens go to (for the one table every layer reads; a model mixing
+windowed and full layers has a second pool: engine/hybrid_kv_cache_manager.py).
 
 Ownership:
 - A request holds one reference on every block of its block table, from ``allocate_slots``
@@ -19,8 +20,7 @@ Ownership:
   hits left of the first new query's window enter the table dead, never taken, and may be
   blocks evicted since (``GONE``: their identities are kept as ghosts, so the hit is still
   exact). So a request holds at most ``config.window_live_blocks`` at once, however long it
-  runs: it may outgrow the pool. With one full-attention layer (Gemma 3's global ones)
-  every block stays needed: nothing is released early.
+  runs: it may outgrow the pool.
 - Hashes are registered when ``allocate_slots`` makes a block full, before the step that
   writes its K/V runs: a request scheduled in the same step may hit it. So the runner must
   write every new K/V of a step before attention reads (per layer), and must run every
@@ -31,44 +31,20 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from tinyserve.config import window_live_blocks
+from tinyserve.engine.kv_cache_utils import (
+    HashChain,
+    KVCacheBlock,
+    block_ident,
+    clear_hash,
+    hash_block_tokens,
+    root_hash,
+)
 from tinyserve.request import Request
 
 GONE = -1  # a prefix hit whose block was evicted (windowed models; get_computed_blocks)
 GHOSTS_PER_BLOCK = 4  # evicted identities kept, per block of the pool (~100 bytes each)
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained block hash: a block's hash depends on every token before it. Stable (int and
-    tuple hashes ignore PYTHONHASHSEED); lookups compare the tokens and parent (KVCacheBlock)."""
-    return hash((parent_hash, token_ids))
-
-
-@dataclass
-class KVCacheBlock:
-    """One block of ``block_size`` token slots in every layer's K/V tensors."""
-
-    block_id: int
-    ref_count: int = 0
-    # Set while the block is in the prefix cache (full, hashed), cleared on eviction.
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
-    # Never-reused identity of the cached content and of its parent block's content: with the
-    # token ids, this makes a hit exact even if the hash chain collides.
-    content_id: int | None = None
-    parent_content_id: int | None = None
-
-
-@dataclass
-class _HashChain:
-    """A request's registered full blocks: (hash, content id) of the cached copy of each."""
-
-    hashes: list[int] = field(default_factory=list)
-    content_ids: list[int] = field(default_factory=list)
-    # False after a hash collision (or a cache reset): later blocks are not registered.
-    cacheable: bool = True
 
 
 class KVCacheManager:
@@ -91,7 +67,7 @@ class KVCacheManager:
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_block_hash_to_block: dict[int, int] = {}
         self.req_to_blocks: dict[str, list[int]] = {}
-        self._req_to_chain: dict[str, _HashChain] = {}
+        self._req_to_chain: dict[str, HashChain] = {}
         self._num_dead: dict[str, int] = {}  # leading table entries released (left of window)
         self._content_ids = itertools.count()
         # With a window on every layer: evicted hashed blocks' identities (tokens, content id,
@@ -152,29 +128,34 @@ class KVCacheManager:
 
     # -- prefix cache ------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest run of cached full blocks matching ``request.all_token_ids`` from the start.
+    def get_computed_blocks(
+        self, request: Request, max_blocks: int | None = None
+    ) -> tuple[list[int], int]:
+        """Longest run (of at most ``max_blocks``) of cached full blocks matching
+        ``request.all_token_ids`` from the start: (block ids, number of tokens they hold).
 
-        Returns (block ids, number of tokens they hold). Never covers the last token, so the
-        request always computes at least one token and has logits to sample from. Takes no
-        references: pass the blocks to ``allocate_slots`` in the same step. Counts nothing:
-        the scheduler calls ``record_prefix_lookup`` once the request is admitted, so a
-        request that waits at the head of the queue for several steps is counted once.
+        Never covers the last token, so the request always computes at least one token and
+        has logits to sample from. Takes no references: pass the blocks to ``allocate_slots``
+        in the same step. Counts nothing: the scheduler calls ``record_prefix_lookup`` once
+        the request is admitted (a request waiting at the head of the queue is counted once).
         """
         if not self.enable_prefix_caching:
             return [], 0
         tokens = request.all_token_ids
         bs = self.block_size
-        max_blocks = (len(tokens) - 1) // bs
+        whole = (len(tokens) - 1) // bs
+        max_blocks = whole if max_blocks is None else min(whole, max_blocks)
         hits: list[int] = []
-        parent_hash = _root_hash(request)
+        parent_hash = root_hash(request)
         parent_content_id: int | None = None
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens)
             block_id = self.cached_block_hash_to_block.get(block_hash, GONE)
             ident = (
-                self._ghosts.get(block_hash) if block_id == GONE else _ident(self.blocks[block_id])
+                self._ghosts.get(block_hash)
+                if block_id == GONE
+                else block_ident(self.blocks[block_id])
             )
             if ident is None or ident[0] != block_tokens or ident[2] != parent_content_id:
                 break  # a miss (or a hash collision)
@@ -200,7 +181,7 @@ class KVCacheManager:
         """Forget every cached hash. Blocks in use stay with their requests; those requests
         register no further blocks (their chains would hang off forgotten parents)."""
         for block in self.blocks:
-            _clear_hash(block)
+            clear_hash(block)
         self.cached_block_hash_to_block.clear()
         self._ghosts.clear()
         for chain in self._req_to_chain.values():
@@ -216,32 +197,22 @@ class KVCacheManager:
         ``computed_blocks`` (prefix hits from ``get_computed_blocks``, only for a request with
         no blocks yet) become the start of its table; the caller has already counted them in
         ``request.num_computed_tokens``. Returns the whole block table, or None when the free
-        queue cannot supply the blocks, changing nothing but releasing the blocks already
-        left of the window (which no later query reads).
+        queue cannot supply the blocks (``blocks_short``), changing nothing but releasing the
+        blocks already left of the window (which no later query reads).
         """
         request_id = request.request_id
         computed_blocks = computed_blocks or []
+        if self.blocks_short(request, num_new_tokens, computed_blocks) > 0:
+            return None
         table = self.req_to_blocks.get(request_id)
-        if computed_blocks and table:
-            raise ValueError(f"request {request_id!r} already has blocks; hits are for new ones")
-        if table and self.sliding_window is not None:  # registered first: a block released
-            # here may be taken again just below
-            self._register(request, table, request.num_computed_tokens)
-            self._release_left_of_window(request, table)
         num_held = len(table or ()) + len(computed_blocks)
         num_required = request.num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, -(-num_required // self.block_size) - num_held)
         # Hits left of the first new query's window are entered dead, never taken.
         num_dead_hits = min(self._left_of(request.num_computed_tokens), len(computed_blocks))
-        live_hits = computed_blocks[num_dead_hits:]
-        # A free cached hit leaves the free queue too.
-        num_free_hits = sum(1 for b in live_hits if self.blocks[b].ref_count == 0)
-        if num_new_blocks + num_free_hits > self.num_free_blocks:
-            return None
-
         if table is None:
             table = self.req_to_blocks[request_id] = []
-            self._req_to_chain[request_id] = _HashChain()
+            self._req_to_chain[request_id] = HashChain()
         chain = self._req_to_chain[request_id]
         for i, block_id in enumerate(computed_blocks):
             if block_id == GONE:  # left of the window, evicted: any id stands in (dead)
@@ -266,6 +237,35 @@ class KVCacheManager:
         self._register(request, table, num_required)
         self._release_left_of_window(request, table)
         return list(table)
+
+    def blocks_short(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> int:
+        """How many blocks ``allocate_slots`` with these arguments would lack (<= 0: none),
+        once the blocks left of the window are released (the only change made here)."""
+        computed_blocks = computed_blocks or []
+        table = self.req_to_blocks.get(request.request_id)
+        if computed_blocks and table:
+            raise ValueError(f"request {request.request_id!r} already has blocks; hits are "
+                             "for new ones")  # fmt: skip
+        if table and self.sliding_window is not None:  # registered first: a block released
+            # here may be taken again in allocate_slots
+            self._register(request, table, request.num_computed_tokens)
+            self._release_left_of_window(request, table)
+        num_held = len(table or ()) + len(computed_blocks)
+        num_required = request.num_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, -(-num_required // self.block_size) - num_held)
+        num_dead_hits = min(self._left_of(request.num_computed_tokens), len(computed_blocks))
+        # A free cached hit leaves the free queue too.
+        num_free_hits = sum(
+            1 for b in computed_blocks[num_dead_hits:] if self.blocks[b].ref_count == 0
+        )
+        return num_new_blocks + num_free_hits - self.num_free_blocks
+
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """The block table of the windowed layers where they have their own pool (a hybrid
+        model: engine/hybrid_kv_cache_manager.py); here None, every layer reads one table."""
+        return None
 
     def free(self, request_id: str) -> None:
         """Drop the request's references. Tail first, so a prefix's tail is evicted before
@@ -313,11 +313,11 @@ class KVCacheManager:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
 
-    def _enter_gone(self, request: Request, table: list[int], chain: _HashChain) -> None:
+    def _enter_gone(self, request: Request, table: list[int], chain: HashChain) -> None:
         """An evicted hit, dead in the table (block 0 stands in: a dead entry's values are
         weighted 0), its identity from its ghost (none left: the request registers no more)."""
         i, bs = len(table), self.block_size
-        parent_hash = chain.hashes[-1] if chain.hashes else _root_hash(request)
+        parent_hash = chain.hashes[-1] if chain.hashes else root_hash(request)
         tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
         ghost = self._ghosts.get(block_hash := hash_block_tokens(parent_hash, tokens))
         chain.cacheable = chain.cacheable and ghost is not None
@@ -333,14 +333,14 @@ class KVCacheManager:
             self._free_queue[block_id] = None
 
     def _register_full_blocks(
-        self, request: Request, table: list[int], chain: _HashChain, num_full: int
+        self, request: Request, table: list[int], chain: HashChain, num_full: int
     ) -> None:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(chain.hashes), num_full):
             if not chain.cacheable:
                 return
-            parent_hash = chain.hashes[-1] if chain.hashes else _root_hash(request)
+            parent_hash = chain.hashes[-1] if chain.hashes else root_hash(request)
             parent_content_id = chain.content_ids[-1] if chain.content_ids else None
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens)
@@ -375,25 +375,7 @@ class KVCacheManager:
             if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
                 del self.cached_block_hash_to_block[block.block_hash]
                 if self.sliding_window is not None and self.enable_prefix_caching:
-                    self._ghosts[block.block_hash] = _ident(block)
+                    self._ghosts[block.block_hash] = block_ident(block)
                     if len(self._ghosts) > GHOSTS_PER_BLOCK * self.num_total_blocks:
                         self._ghosts.popitem(last=False)  # the oldest
-        _clear_hash(block)
-
-
-def _ident(block: KVCacheBlock) -> tuple:
-    return (block.token_ids, block.content_id, block.parent_content_id)
-
-
-def _root_hash(request: Request) -> int | None:
-    """The parent of a request's first block: its ``cache_salt``, so that requests with
-    different salts never share a block (vLLM's isolation of the prefix cache)."""
-    salt = request.sampling_params.cache_salt
-    return None if salt is None else hash(("cache_salt", salt))
-
-
-def _clear_hash(block: KVCacheBlock) -> None:
-    block.block_hash = None
-    block.token_ids = None
-    block.content_id = None
-    block.parent_content_id = None
+        clear_hash(block)

@@ -129,7 +129,8 @@ class Scheduler:
             if block_ids is None:
                 break  # the request was itself the last one: nothing after it runs
             num_new += len(drafts)
-            scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts))
+            window = self.kv_cache_manager.window_block_ids(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts, window))
             budget -= num_new
             prompt_budget -= num_new if prefilling else 0
             index += 1
@@ -308,7 +309,8 @@ class Scheduler:
             if request.num_preemptions == 0:  # first admission (a recompute hits its own blocks)
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
-            scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            window = kv.window_block_ids(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_new, block_ids, [], window))
             budget -= num_new
         return budget
 

@@ -13,7 +13,8 @@
 // residual multiplier, gemma3.py's norms of the attention and MLP outputs); act_and_mul is
 // SiLU's, or Gemma 3's tanh GELU (gelu_tanh_and_mul below); a NoPE layer (smollm3.py)
 // rotates by the step's identity tables, a Gemma 3 local layer by its second table; a layer
-// with a sliding window passes it to the attention.
+// with a sliding window passes it to the attention (and, in a hybrid model, its own pool's
+// slots and block tables).
 // Rows [0, nd) are decode rows (linear layers with int8_decode send them to qgemm).
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
@@ -76,6 +77,11 @@ typedef struct {  // this step's attention inputs (layers/attention.py KernelInp
     const int32_t *block_tables;
     int64_t max_blocks;
     float *const *k_caches, *const *v_caches;  // [num_layers] each
+    // A hybrid model's windowed layers' own pool (engine/hybrid_kv_cache_manager.py): their
+    // slots and block tables; NULL where every layer reads the ones above.
+    const int64_t *slot_mapping_w;
+    const int32_t *block_tables_w;
+    int64_t max_blocks_w;
 } step_t;
 
 // gate_up [rows, 2I] -> out [rows, I]: gelu_tanh(gate) * up, where gelu_tanh(g) =
@@ -155,13 +161,16 @@ int forward_layers(const model_t *mo, const step_t *st, float *x, float *residua
         rc |= linear(mo, &L->qkv, h, qkv, M, nd, nt);
         if (L->q_norm)
             mo->head_norm(qkv, L->q_norm, L->k_norm, M, (int)NH, (int)KVH, (int)D, mo->eps, nt);
+        const int own = L->window && st->block_tables_w;  // its group's pool (hybrid)
         mo->rope_and_cache(qkv, cos[L->rope], sin[L->rope], st->k_caches[l], st->v_caches[l],
-                           st->slot_mapping, M, (int)NH, (int)KVH, (int)D, nt);
+                           own ? st->slot_mapping_w : st->slot_mapping, M, (int)NH, (int)KVH,
+                           (int)D, nt);
         rc |= mo->paged_attention(qkv, QKV, st->k_caches[l], st->v_caches[l],
                                   (int)mo->block_size, (int)NH, (int)KVH, (int)D,
                                   st->query_start_loc, st->seq_lens, st->seq_of_token, M,
-                                  st->block_tables, st->max_blocks, mo->scale, L->window, o,
-                                  nt);
+                                  own ? st->block_tables_w : st->block_tables,
+                                  own ? st->max_blocks_w : st->max_blocks, mo->scale, L->window,
+                                  o, nt);
         rc |= linear(mo, &L->o, o, x, M, nd, nt);
         scale(x, M * H, mo->branch_scale);
         out_norm(mo, L->attn_out_norm, x, t, M, nt);

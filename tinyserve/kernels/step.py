@@ -48,7 +48,8 @@ class _Step(ctypes.Structure):
                 ("sin2", P), ("slot_mapping", P),
                 ("query_start_loc", P),
                 ("seq_lens", P), ("seq_of_token", P), ("block_tables", P),
-                ("max_blocks", I64), ("k_caches", P), ("v_caches", P)]  # fmt: skip
+                ("max_blocks", I64), ("k_caches", P), ("v_caches", P),
+                ("slot_mapping_w", P), ("block_tables_w", P), ("max_blocks_w", I64)]  # fmt: skip
 
 
 @functools.cache
@@ -160,6 +161,10 @@ class StepPlan:
                      kin.query_start_loc.data_ptr(), kin.seq_lens.data_ptr(),
                      kin.seq_of_token.data_ptr(), kin.block_tables.data_ptr(),
                      kin.block_tables.shape[1], ctypes.addressof(ks), ctypes.addressof(vs))  # fmt: skip
+        if meta.windowed is not None:  # a hybrid model's windowed layers: their own pool
+            step.slot_mapping_w = meta.windowed.slot_mapping.data_ptr()
+            step.block_tables_w = meta.windowed.kernel.block_tables.data_ptr()
+            step.max_blocks_w = meta.windowed.kernel.block_tables.shape[1]
         rc = self._lib.forward_layers(
             ctypes.addressof(self._struct), ctypes.addressof(step), x.data_ptr(),
             residual.data_ptr(), x.shape[0], meta.num_decode_tokens, kernel_threads(),

@@ -9,7 +9,8 @@ A step's tokens are flat (ragged, no padding between requests). Each layer:
    query's last W positions (its own included; transformers' ``sliding_window`` convention).
    The window is the layer's (``window=`` to :func:`paged_attention`); the kernels take it as
    an argument, the torch path's masks for the model's one window are built once per step
-   beside the full-attention ones (``AttentionMetadata.window_groups``).
+   beside the full-attention ones (``AttentionMetadata.window_groups``). A hybrid model's
+   windowed layers keep their K/V in a pool of their own (``AttentionMetadata.windowed``).
 
 Two implementations:
 
@@ -90,10 +91,17 @@ class AttentionMetadata:
     # (masks cut to each query's last ``window`` positions); None: none were built.
     window: int | None = None
     window_groups: list[AttentionGroup] | None = None
+    # A hybrid model's windowed layers' own metadata: their block tables and slots (their
+    # pool's, engine/hybrid_kv_cache_manager.py), built with the window; None: one table.
+    windowed: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def of_layer(self, window: int | None) -> AttentionMetadata:
+        """What a layer with this sliding window (None: full attention) reads."""
+        return self if window is None or self.windowed is None else self.windowed
 
     @classmethod
     def build(
@@ -209,19 +217,14 @@ class _StepTensors:
     @classmethod
     def build(cls, query_lens, seq_lens, block_tables, block_size, query_start_loc):
         max_blocks = max(-(-sl // block_size) for sl in seq_lens)
-        tables = torch.tensor(
-            [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables],
-            dtype=torch.int64,
-        )
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int64)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
         starts = torch.tensor(query_start_loc[:-1], dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        positions = (
-            torch.arange(query_start_loc[-1])
-            - starts[seq_of_token]
-            + (s_lens - q_lens)[seq_of_token]
-        )
+        row_in_seq = torch.arange(query_start_loc[-1]) - starts[seq_of_token]
+        positions = row_in_seq + (s_lens - q_lens)[seq_of_token]
         slot_mapping = (
             tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         )

@@ -35,15 +35,24 @@ class AttentionMethod:
 
     def metadata(
         self, query_lens, seq_lens, block_tables, block_size, device, dtype, num_decode_seqs,
-        sliding_window: int | None = None,
-    ) -> AttentionMetadata:
+        sliding_window: int | None = None, window_block_tables=None,
+    ) -> AttentionMetadata:  # fmt: skip
         """The step's metadata in the form this method reads (``sliding_window``: the
-        model's, ModelConfig.sliding_window: the torch path's masks for it too)."""
-        return AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, block_size, device, dtype,
-            use_kernel=self.block_table_inputs, num_decode_seqs=num_decode_seqs,
-            decode_backend=self.decode_backend, sliding_window=sliding_window,
-        )  # fmt: skip
+        model's, ModelConfig.sliding_window: the torch path's masks for it too), and with a
+        hybrid model's ``window_block_tables`` its windowed layers' (``windowed``)."""
+
+        def build(tables, window):
+            return AttentionMetadata.build(
+                query_lens, seq_lens, tables, block_size, device, dtype,
+                use_kernel=self.block_table_inputs, num_decode_seqs=num_decode_seqs,
+                decode_backend=self.decode_backend, sliding_window=window,
+            )  # fmt: skip
+
+        if window_block_tables is None:
+            return build(block_tables, sliding_window)
+        meta = build(block_tables, None)
+        meta.windowed = build(window_block_tables, sliding_window)
+        return meta
 
     def attend(self, attn, qkv: torch.Tensor, cos_sin, kv_cache, meta) -> torch.Tensor:
         """q and k rotated together (one set of elementwise ops), K and V into the cache,

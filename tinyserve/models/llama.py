@@ -101,6 +101,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         nd = meta.num_decode_tokens
         qkv = self.normalize_qk(self.qkv_proj(x, nd))  # [num_tokens, q_size + 2 * kv_size]
+        meta = meta.of_layer(self.window)  # a hybrid model's windowed layers: their own pool
         o = self.method.attend(self, qkv, self.rotary(cos_sin), kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size), nd)
 

@@ -10,8 +10,9 @@ computes one generated token, no drafts) of ``n`` sequences runs in the smallest
 ``b >= n`` of (1, 2, 4, ..., 256) over static buffers of ``b`` rows: token ids, positions,
 KV slots, int32 context lengths and block tables (``max_model_len / block_size`` columns).
 Rows ``n..b`` are padding: token 0 at position 0, context length 1, writing its K/V to a
-scratch block past the real ones (the runner allocates ``num_blocks + 1``) and reading it
-back, so no real block is touched. Attention is :meth:`AttentionMetadata.static_decode`:
+scratch block past the real ones (the runner allocates ``num_blocks + 1``; a hybrid model's
+windowed layers have their own slots, tables and scratch block) and reading it back, so no
+real block is touched. Attention is :meth:`AttentionMetadata.static_decode`:
 the Triton block-table kernel where Triton is present (its grid depends on ``b`` only and it
 reads the lengths on the device), else the masked torch form at the table's full width.
 
@@ -60,6 +61,7 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device,
         capture: bool,
+        window_scratch_block: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -84,6 +86,19 @@ class DecodeGraphs:
             )
             for n in self.buckets
         }
+        # A hybrid model's windowed layers: their own pool's slots and tables (and scratch).
+        self.window_scratch_slot = (window_scratch_block or 0) * block_size
+        self.window = None if window_scratch_block is None else (
+            torch.full((b,), window_scratch_block * block_size, dtype=torch.int64, device=dev),
+            torch.full((b, self.max_blocks), window_scratch_block, dtype=torch.int32,
+                       device=dev),
+        )  # fmt: skip
+        for n, meta in self.metas.items():
+            if self.window is not None:
+                meta.windowed = AttentionMetadata.static_decode(
+                    self.window[0][:n], self.seq_lens[:n], self.window[1][:n], block_size,
+                    self.backend,
+                )  # fmt: skip
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0  # steps this path ran (replayed or, capture off, eager)
@@ -108,30 +123,44 @@ class DecodeGraphs:
         columns past that are never read for these lengths (they hold valid, older ids)."""
         n = len(step.input_ids)
         pad = self.bucket(n) - n
-        bs = self.block_size
-        scratch = self.scratch_slot // bs
-        width = max(-(-sl // bs) for sl in step.seq_lens)
-        tables = [t[:width] + [scratch] * (width - len(t[:width])) for t in step.block_tables]
-        slots = [t[(sl - 1) // bs] * bs + (sl - 1) % bs
-                 for t, sl in zip(step.block_tables, step.seq_lens, strict=True)]  # fmt: skip
-        return [
+        inputs = [
             torch.tensor(step.input_ids + [0] * pad, dtype=torch.int64),
             torch.tensor(step.positions + [0] * pad, dtype=torch.int64),
-            torch.tensor(slots + [self.scratch_slot] * pad, dtype=torch.int64),
+            *self._slots_and_tables(step.block_tables, step.seq_lens, self.scratch_slot, pad),
             torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32),
+        ]
+        if self.window is not None:
+            inputs += self._slots_and_tables(step.window_block_tables, step.seq_lens,
+                                             self.window_scratch_slot, pad)  # fmt: skip
+        return inputs
+
+    def _slots_and_tables(self, block_tables, seq_lens, scratch_slot: int, pad: int) -> list:
+        """Each row's new slot and its block table as wide as the step's longest context,
+        padded with the scratch block's."""
+        bs = self.block_size
+        scratch = scratch_slot // bs
+        width = max(-(-sl // bs) for sl in seq_lens)
+        tables = [t[:width] + [scratch] * (width - len(t[:width])) for t in block_tables]
+        slots = [t[(sl - 1) // bs] * bs + (sl - 1) % bs
+                 for t, sl in zip(block_tables, seq_lens, strict=True)]  # fmt: skip
+        return [
+            torch.tensor(slots + [scratch_slot] * pad, dtype=torch.int64),
             torch.tensor(tables + [[scratch] * width] * pad, dtype=torch.int32),
         ]
 
     def run(self, n: int, staged: list[torch.Tensor]) -> torch.Tensor:
         """The forward of ``n`` decode rows from ``staged`` (host_inputs on the device):
         hidden states [n, hidden]."""
-        ids, pos, slots, seq_lens, tables = staged
+        ids, pos, slots, tables, seq_lens, *window = staged
         b = ids.shape[0]
         self.ids[:b].copy_(ids)
         self.positions[:b].copy_(pos)
         self.slots[:b].copy_(slots)
         self.seq_lens[:b].copy_(seq_lens)
         self.tables[:b, : tables.shape[1]].copy_(tables)
+        if window:
+            self.window[0][:b].copy_(window[0])
+            self.window[1][:b, : window[1].shape[1]].copy_(window[1])
         self.num_replays += 1
         if b in self.graphs:
             graph, out = self.graphs[b]

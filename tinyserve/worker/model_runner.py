@@ -34,6 +34,8 @@ class StepInput:
     seq_lens: list[int]
     block_tables: list[list[int]]
     num_decode_seqs: int = 0  # the first sequences, whose new tokens were generated
+    # A hybrid model's windowed layers' tables (ScheduledRequest.window_block_ids), or None.
+    window_block_tables: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -50,6 +52,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        num_window_blocks: int | None = None,
     ) -> None:
         """``decode_graphs``: "capture" (CUDA graphs for pure-decode steps), "eager" (the
         same fixed-buffer path run without capturing: the CPU tests), or "off". ``kv_dtype``:
@@ -64,9 +67,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         graphs = decode_graphs != "off" and self.tp.size == 1  # (graphs hold no collectives)
         # The fixed-buffer decode path's padding rows write a scratch block past the real ones.
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks + int(graphs), block_size,
-                                           kv_dtype or model.dtype, device,
-                                           tp_size=self.tp.size)  # fmt: skip
+        self.kv_caches = allocate_kv_cache(
+            self.config, num_blocks + int(graphs), block_size, kv_dtype or model.dtype, device,
+            tp_size=self.tp.size,
+            num_window_blocks=None if num_window_blocks is None else num_window_blocks + int(graphs),
+        )  # fmt: skip
         self.sampler = Sampler()
         self.to_device = HostToDevice(device)
         # Fewer kernel threads while other processes take our cores (worker/contention.py).
@@ -78,7 +83,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, block_size, num_blocks, max_num_seqs,
                 max_model_len or self.config.max_position_embeddings, device,
-                capture=decode_graphs == "capture",
+                capture=decode_graphs == "capture", window_scratch_block=num_window_blocks,
             )  # fmt: skip
 
     @torch.inference_mode()
@@ -92,6 +97,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
+        window_tables: list[list[int]] = []  # a hybrid model's windowed layers'
         logits_indices: list[int] = []
         sampling: list = []  # the requests that sample, in logits-row order
         scoring: list[PromptRows] = []  # prompt rows whose logprobs were asked for
@@ -112,12 +118,15 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             block_tables.append(item.block_ids)
+            if item.window_block_ids is not None:
+                window_tables.append(item.window_block_ids)
             if item.samples:
                 n = 1 + len(spec)  # one logits row per draft, and one after the last
                 logits_indices.extend(range(len(input_ids) - n, len(input_ids)))
                 sampling.append((req, spec))
                 decode_rows += 0 if prompt else n
-        step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs)
+        step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs,
+                         window_tables or None)  # fmt: skip
         if not sampling:
             hidden = self.forward(step)
             return ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, scoring))
@@ -184,11 +193,13 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(step.query_lens, step.num_decode_seqs,
                                               step.block_tables):  # fmt: skip
-            staged = self.to_device([*graphs.host_inputs(step), *extra])
-            return graphs.run(len(step.input_ids), staged[:5]), staged[5:]
+            inputs = graphs.host_inputs(step)
+            staged = self.to_device([*inputs, *extra])
+            return graphs.run(len(step.input_ids), staged[: len(inputs)]), staged[len(inputs) :]
         meta = self.model.attention_method.metadata(
             step.query_lens, step.seq_lens, step.block_tables, self.block_size, _HOST,
             self.model.dtype, step.num_decode_seqs, self.model.config.sliding_window,
+            step.window_block_tables,
         )  # fmt: skip
         ids = torch.tensor(step.input_ids, dtype=torch.int64)
         pos = torch.tensor(step.positions, dtype=torch.int64)

@@ -1,0 +1,57 @@
+"""The paged KV cache's block records and prefix hashing (vLLM's kv_cache_utils): plain
+Python, shared by engine/kv_cache_manager.py and engine/hybrid_kv_cache_manager.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyserve.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained block hash: a block's hash depends on every token before it. Stable (int and
+    tuple hashes ignore PYTHONHASHSEED); lookups compare the tokens and parent (KVCacheBlock)."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class KVCacheBlock:
+    """One block of ``block_size`` token slots in every layer's K/V tensors."""
+
+    block_id: int
+    ref_count: int = 0
+    # Set while the block is in the prefix cache (full, hashed), cleared on eviction.
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    # Never-reused identity of the cached content and of its parent block's content: with the
+    # token ids, this makes a hit exact even if the hash chain collides.
+    content_id: int | None = None
+    parent_content_id: int | None = None
+
+
+@dataclass
+class HashChain:
+    """A request's registered full blocks: (hash, content id) of the cached copy of each."""
+
+    hashes: list[int] = field(default_factory=list)
+    content_ids: list[int] = field(default_factory=list)
+    # False after a hash collision (or a cache reset): later blocks are not registered.
+    cacheable: bool = True
+
+
+def block_ident(block: KVCacheBlock) -> tuple:
+    return (block.token_ids, block.content_id, block.parent_content_id)
+
+
+def root_hash(request: Request) -> int | None:
+    """The parent of a request's first block: its ``cache_salt``, so that requests with
+    different salts never share a block (vLLM's isolation of the prefix cache)."""
+    salt = request.sampling_params.cache_salt
+    return None if salt is None else hash(("cache_salt", salt))
+
+
+def clear_hash(block: KVCacheBlock) -> None:
+    block.block_hash = None
+    block.token_ids = None
+    block.content_id = None
+    block.parent_content_id = None

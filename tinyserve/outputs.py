@@ -18,9 +18,9 @@ class ScheduledRequest:
     # Speculative decoding: draft tokens verified this step, after the request's last token;
     # counted in num_new_tokens (their K/V is computed, and kept only if they are accepted).
     spec_token_ids: list[int] = field(default_factory=list)
-    # A hybrid model's windowed layers' own block table (engine/hybrid_kv_cache_manager.py);
-    # None: every layer reads ``block_ids``.
-    window_block_ids: list[int] | None = None
+    # A hybrid model's other layer groups' block tables, group 1 first (``block_ids`` is
+    # group 0's; engine/hybrid_kv_cache_manager.py); None: every layer reads ``block_ids``.
+    group_block_ids: list[list[int]] | None = None
 
     @property
     def samples(self) -> bool:

@@ -1,10 +1,11 @@
-"""A model mixing sliding-window and full-attention layers (Gemma 3) keeps each layer group's
-K/V in a pool of its own (issue 41 deliver 2; vLLM's hybrid allocator): the windowed layers'
-blocks left of the window are released as a request moves on while the full-attention
-layers' stay, an allocation takes blocks from both pools or from neither, a prefix hit is
-the run both pools hold, the memory budget goes to the full pool, and the engine serving a
-tiny Gemma 3 whose window pool holds far less than its contexts gives transformers' greedy
-tokens (kernels and torch, with and without the prefix cache, batched and preempted)."""
+"""A model mixing sliding-window and full-attention layers (Gemma 3) has a block table per
+layer group over one shared pool (issue 41 deliver 2; vLLM's hybrid allocator): the layers
+are grouped as vLLM does, the windowed groups release a request's blocks left of the window
+while the full-attention group keeps them, an allocation takes every group's blocks or none,
+a prefix hit is the run every group holds, a block is a page of one group's layers; and the
+engine serving a tiny Gemma 3 from a pool in which one table for all layers could not hold
+one request gives transformers' greedy tokens (kernels and torch, with and without the
+prefix cache, alone, batched and preempted)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ from tinyserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from tinyserve.engine.kv_cache_manager import GONE, KVCacheManager
 from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.worker.kv_cache import allocate_kv_cache, kv_cache_bytes, pool_sizes
+from tinyserve.utils.kv_groups import KVGroups, kv_groups
+from tinyserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
 WINDOW = 6
+# The tiny Gemma 3's layers (sliding, full, sliding): groups of one layer, the full one first.
+TINY = KVGroups(size=1, layer_group=(1, 0, 2), layer_slot=(0, 0, 0), windows=(None, 6, 6))
 
 
 def _request(rid: str, tokens) -> Request:
@@ -40,103 +44,148 @@ def _step(kv, request: Request, num_new: int, hits=None) -> list[int]:
     return table
 
 
-def _held(pool, rid: str) -> int:
-    return len(pool.get_block_ids(rid)) - pool.num_dead_blocks(rid)
+def _held(group: KVCacheManager, rid: str) -> int:
+    return len(group.get_block_ids(rid)) - group.num_dead_blocks(rid)
 
 
-def test_the_window_pool_releases_what_the_full_pool_keeps():
-    kv = HybridKVCacheManager(num_blocks=16, num_window_blocks=8, block_size=4, window=WINDOW)
+def _gemma3_config(**over) -> ModelConfig:
+    """Gemma 3 1B's layer pattern (26 layers, every 6th global) at a small width."""
+    fields = dict(architecture="Gemma3ForCausalLM", vocab_size=256, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=26, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=256, sliding_window=512,
+                  local_layers=tuple(int(i % 6 != 5) for i in range(26)))  # fmt: skip
+    return ModelConfig(**{**fields, **over})
+
+
+def test_layers_are_grouped_as_vllm_groups_them():
+    groups = kv_groups(_gemma3_config())
+    assert groups.size == 4 and groups.windows == (None,) + (512,) * 6  # 4 global, 22 local
+    assert [groups.layer_group[i] for i in (5, 11, 17, 23)] == [0, 0, 0, 0]
+    assert [groups.layer_slot[i] for i in (5, 11, 17, 23)] == [0, 1, 2, 3]
+    assert groups.layer_group[:5] == (1, 1, 1, 1, 2) and groups.layer_slot[:5] == (0, 1, 2, 3, 0)
+    assert groups.layer_group[24:] == (6, 6) and groups.layer_slot[24:] == (0, 1)  # short
+    assert len(set(zip(groups.layer_group, groups.layer_slot, strict=True))) == 26
+    tiny = _gemma3_config(num_hidden_layers=3, local_layers=(1, 0, 1), sliding_window=6)
+    assert kv_groups(tiny) == TINY
+    assert kv_groups(_gemma3_config(local_layers=(1,) * 26)) is None  # windowed everywhere
+    assert kv_groups(_gemma3_config(sliding_window=None)) is None
+    # One request's ids at once: every block in the full group, a window's in the others.
+    assert groups.blocks_to_hold(160, 32, 16) == 7 * 10
+    assert groups.blocks_to_hold(8000, 32, 16) == 500 + 6 * window_live_blocks(512, 32, 16)
+    assert groups.capacity_tokens(500 + 6 * 35, 32, 16) == 8000
+
+
+def test_a_block_is_a_page_of_one_group():
+    """Gemma 3 1B's shape, 1 GiB: a block id is 4 layers' K/V, not 26 — 6.5x the ids; an
+    8,000-token request takes 710 of them (the full group's 500, 35 in each windowed one)
+    where one table would take 500 blocks of all 26 layers (3,250 of these ids' memory)."""
+    cfg, dtype = _gemma3_config(), torch.float32
+    per_layer = 2 * 16 * 1 * 256 * 4
+    assert bytes_per_block(cfg, 16, dtype) == 4 * per_layer
+    budget = CacheConfig(block_size=16, kv_cache_memory=1 << 30)
+    assert num_blocks_for(cfg, budget, dtype) == (1 << 30) // (4 * per_layer)
+    plain = _gemma3_config(sliding_window=None)
+    assert bytes_per_block(plain, 16, dtype) == 26 * per_layer
+    caches = allocate_kv_cache(_gemma3_config(num_hidden_layers=3, local_layers=(1, 0, 1)), 9,
+                               4, dtype, groups=TINY)  # fmt: skip
+    assert len(caches) == 3 and all(kv is caches[0] for kv in caches)  # one slot, shared
+    groups = kv_groups(cfg)
+    caches = allocate_kv_cache(cfg, 5, 16, dtype, groups=groups)
+    assert all(caches[i] is caches[j] for i, j in ((0, 5), (1, 11), (4, 5), (25, 11)))
+    assert len({id(kv) for kv in caches}) == 4
+    caches[0][1].fill_(1)
+    assert not caches[0][0].any() and not caches[1][1].any()
+
+
+def test_windowed_groups_release_what_the_full_group_keeps():
+    kv = HybridKVCacheManager(num_blocks=32, block_size=4, groups=TINY)
+    full, left, right = kv.groups
     a = _request("a", range(20))
-    table = _step(kv, a, 20)  # the prompt's queries see from position 0: all kept, both pools
-    assert len(table) == 5 and len(kv.window_block_ids("a")) == 5
-    assert kv.num_free_blocks == 11 and kv.window.num_free_blocks == 3
-    for t in range(20, 26):  # query 25 sees 20 .. 25: 5 window blocks left of it
+    table = _step(kv, a, 20)  # the prompt's queries see from position 0: all kept
+    assert len(table) == 5 and [len(t) for t in kv.group_block_ids("a")] == [5, 5]
+    assert kv.num_free_blocks == 32 - 15
+    for t in range(20, 26):  # query 25 sees 20 .. 25: 5 blocks left of it
         a.append_output_token(t)
         table = _step(kv, a, 1)
-    assert len(table) == 7 and _held(kv, "a") == 7 and kv.num_free_blocks == 9
-    assert len(kv.window_block_ids("a")) == 7 and _held(kv.window, "a") == 2
-    assert kv.window.num_free_blocks == 6
+    assert len(table) == 7 and _held(full, "a") == 7
+    assert _held(left, "a") == _held(right, "a") == 2 and kv.num_free_blocks == 32 - 11
+    ids = [b for g in kv.groups for b in g.get_block_ids("a")[g.num_dead_blocks("a") :]]
+    assert len(set(ids)) == 11 and kv.pool_map().count("u") == 11  # one pool, no id twice
     kv.free("a")
-    assert kv.num_free_blocks == 16 and kv.window.num_free_blocks == 8
-    assert kv.window_block_ids("a") == [] and not kv.window.req_to_blocks
+    assert kv.num_free_blocks == 32 and all(b.ref_count == 0 for b in kv.blocks)
+    assert kv.group_block_ids("a") == [[], []] and not left.req_to_blocks
 
 
-def test_an_allocation_takes_both_pools_or_neither():
-    kv = HybridKVCacheManager(num_blocks=16, num_window_blocks=4, block_size=4, window=WINDOW)
+def test_an_allocation_takes_every_groups_blocks_or_none():
+    kv = HybridKVCacheManager(num_blocks=12, block_size=4, groups=TINY)
     a = _request("a", range(20))
-    assert kv.allocate_slots(a, 20) is None  # 5 window blocks at once: the window pool has 4
-    assert kv.num_free_blocks == 16 and kv.window.num_free_blocks == 4
-    assert not kv.req_to_blocks and not kv.window.req_to_blocks
+    assert kv.allocate_slots(a, 20) is None  # 3 groups x 5 blocks: 15 of 12
+    assert kv.num_free_blocks == 12 and not any(g.req_to_blocks for g in kv.groups)
     for _ in range(5):  # 4 tokens a step: the window's and a step's blocks fit
         _step(kv, a, 4)
-    assert _held(kv, "a") == 5 and _held(kv.window, "a") <= 3
-    small = HybridKVCacheManager(num_blocks=2, num_window_blocks=8, block_size=4, window=WINDOW)
-    assert small.allocate_slots(_request("b", range(12)), 12) is None  # the full pool short
-    assert small.window.num_free_blocks == 8 and not small.window.req_to_blocks
+    assert _held(kv, "a") == 5 and kv.num_free_blocks == 12 - 5 - 2 * _held(kv.others[0], "a")
+    live = window_live_blocks(WINDOW, 4, 4)  # 4: a window's 6 positions and a step's 4
+    assert kv.blocks_to_hold(20, 4) == 5 + 2 * live and kv.blocks_to_hold(200, 4) == 50 + 2 * live
 
 
-def test_a_prefix_hit_is_the_run_both_pools_hold():
-    """The window pool (6 blocks) loses a's cached blocks to other prompts, oldest first,
-    while the full pool (32) keeps them all: the hit passes over evicted window blocks left
-    of its first query's window, is cut where one inside the window is gone, and is empty
-    once the window pool holds none of it."""
-    kv = HybridKVCacheManager(num_blocks=32, num_window_blocks=6, block_size=4, window=WINDOW)
+def test_a_prefix_hit_is_the_run_every_group_holds():
+    """a's blocks, freed, are taken back by other prompts from the free queue's head: the
+    windowed groups' first ones (released early) go first, and the hit passes over them
+    left of the window; once the full group's first block goes, there is no hit at all."""
+    kv = HybridKVCacheManager(num_blocks=24, block_size=4, groups=TINY)
+    a = _request("a", range(20))
+    for _ in range(5):
+        _step(kv, a, 4)
+    tables = [g.get_block_ids("a") for g in kv.groups]
+    kv.free("a")
+    b = _request("b", list(range(20)) + [99, 98])
+    assert kv.get_computed_blocks(b) == (list(zip(*tables, strict=True)), 20)
+    expected = [
+        (list(zip(*tables, strict=True)), 20),
+        (
+            [
+                (tables[0][0], GONE, GONE),
+                (tables[0][1], GONE, tables[2][1]),
+                *zip(*(t[2:] for t in tables), strict=True),
+            ],
+            20,
+        ),  # fmt: skip
+        ([], 0),  # the full group's first block was taken
+    ]
+    for i, want in enumerate(expected):
+        z = _request(f"z{i}", range(100 + 8 * i, 108 + 8 * i))
+        _step(kv, z, 8)  # 6 blocks from the free queue's head
+        kv.free(z.request_id)
+        assert kv.get_computed_blocks(b) == want, i
+    hits, num_hit_tokens = expected[1]
+    b.num_computed_tokens = num_hit_tokens
+    kv.reset_prefix_cache()
+    c = _request("c", list(range(20)) + [1, 2])
+    assert kv.get_computed_blocks(c) == ([], 0)
+    kv.free("b")
+    assert kv.num_free_blocks == 24
+
+
+def test_evicted_window_hits_enter_dead_and_the_tokens_go_on():
+    kv = HybridKVCacheManager(num_blocks=24, block_size=4, groups=TINY)
     a = _request("a", range(20))
     for _ in range(5):
         _step(kv, a, 4)
     kv.free("a")
-    b = _request("b", list(range(20)) + [99, 98])
-    full = KVCacheManager.get_computed_blocks(kv, b)[0]
-    assert full == [0, 1, 2, 3, 4]
-    assert kv.get_computed_blocks(b) == (list(zip(full, full, strict=True)), 20)
-    expected = [
-        ([(0, GONE), (1, 1), (2, 2), (3, 3), (4, 4)], 20),  # block 0: left of query 20's
-        ([(0, GONE), (1, GONE), (2, 2), (3, 3)], 16),  # block 4 gone, inside: cut before it
-        ([], 0),
-    ]
-    for i, want in enumerate(expected):
+    for i in range(2):
         z = _request(f"z{i}", range(100 + 8 * i, 108 + 8 * i))
-        _step(kv, z, 8)  # 2 window blocks from the free queue's head
+        _step(kv, z, 8)
         kv.free(z.request_id)
-        assert kv.get_computed_blocks(b) == want
-        assert KVCacheManager.get_computed_blocks(kv, b)[0] == full
-    b.num_computed_tokens = 16
-    _step(kv, b, 6, expected[1][0])  # the hits left of query 16's window enter dead
-    assert kv.window.num_dead_blocks("b") == 2 and _held(kv, "b") == 6
-    assert kv.window.get_block_ids("b")[2:4] == [2, 3] and _held(kv.window, "b") <= 4
+    b = _request("b", list(range(20)) + [99, 98])
+    hits, num_hit_tokens = kv.get_computed_blocks(b)
+    assert num_hit_tokens == 20 and GONE in hits[0]
+    b.num_computed_tokens = num_hit_tokens
+    _step(kv, b, 2, hits)  # hits left of query 20's window enter dead (GONE: block 0 stands)
+    full, left, right = kv.groups
+    assert full.num_dead_blocks("b") == 0 and left.num_dead_blocks("b") == 3
+    assert _held(full, "b") == 6 and _held(left, "b") == _held(right, "b") == 3
     kv.free("b")
-    assert kv.num_free_blocks == 32 and kv.window.num_free_blocks == 6
-
-
-def _gemma3_config(**over) -> ModelConfig:
-    fields = dict(architecture="Gemma3ForCausalLM", vocab_size=256, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, sliding_window=512,
-                  local_layers=(1, 1, 1, 1, 1, 0))  # fmt: skip
-    return ModelConfig(**{**fields, **over})
-
-
-def test_the_memory_budget_goes_to_the_full_pool():
-    """Five windowed layers to one full: the window pool holds what max_num_seqs requests
-    hold there; the rest of the budget buys full-pool blocks, ~3.6x as many tokens here."""
-    cfg, dtype = _gemma3_config(), torch.float32
-    budget = CacheConfig(block_size=16, kv_cache_memory=64 << 20)
-    full, windowed = pool_sizes(cfg, budget, dtype, 1, max_num_seqs=8, max_chunk=512)
-    plain = (64 << 20) // (6 * 2 * 16 * 2 * 16 * 4)  # every layer in one pool
-    assert windowed == 8 * window_live_blocks(512, 512, 16) and full > 3.5 * plain
-    assert kv_cache_bytes(cfg, 16, dtype, 1, full, windowed) <= 64 << 20
-    assert kv_cache_bytes(cfg, 16, dtype, 1, full + 1, windowed) > 64 << 20
-    # Many sequences: the window pool would not be smaller, so one pool's worth each.
-    assert pool_sizes(cfg, budget, dtype, 1, 256, 512) == (plain, plain)
-    given = CacheConfig(block_size=16, num_blocks=40)  # a count is the full pool's
-    assert pool_sizes(cfg, given, dtype, 1, 8, 512) == (40, 40)
-    assert pool_sizes(cfg, given, dtype, 1, 1, 16) == (40, window_live_blocks(512, 16, 16))
-    mistral = _gemma3_config(architecture="MistralForCausalLM", local_layers=None)
-    assert pool_sizes(mistral, given, dtype, 1, 8, 512) == (40, None)  # windowed everywhere
-    caches = allocate_kv_cache(cfg, 40, 16, dtype, num_window_blocks=9)
-    assert [k.shape[0] for k, _ in caches] == [9, 9, 9, 9, 9, 40]
-    caches[0][1].fill_(1)
-    assert not caches[0][0].any() and not caches[1][0].any() and not caches[5][1].any()
+    assert kv.num_free_blocks == 24 and all(blk.ref_count == 0 for blk in kv.blocks)
 
 
 # -- through the engine ------------------------------------------------------------------------
@@ -150,33 +199,41 @@ def gemma3(tmp_path_factory):
     return str(save_hf(hf, tmp_path_factory.mktemp("gemma3_hybrid"))), hf
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and each one's logprob (a sensitive check: this tiny
+    random model repeats a token for long stretches, whatever a corrupted cache does)."""
     from tinyserve.testing.checkpoints import hf_logits
 
     out: list[int] = []
+    lps: list[float] = []
     for _ in range(n):
-        out.append(int(hf_logits(hf, prompt + out)[-1].argmax()))
-    return out
+        row = hf_logits(hf, prompt + out)[-1].double().log_softmax(-1)
+        out.append(int(row.argmax()))
+        lps.append(float(row[out[-1]]))
+    return out, lps
 
 
-def _held_blocks_each_step(engine, rid: str) -> list[tuple[int, int]]:
-    """Records the blocks ``rid`` holds in each step in each pool and, once a step is
-    scheduled and before it runs, fills every free block of each layer's pool with random
-    K/V: a block released while a query still reads it would change the tokens (prefix
-    caching off: a free block is never read again)."""
+def _check(done: dict, want: dict) -> None:
+    for rid, (tokens, lps) in want.items():
+        assert done[rid].token_ids == tokens, rid
+        assert [lp.logprob for lp in done[rid].logprobs] == pytest.approx(lps, abs=1e-3), rid
+
+
+def _held_blocks_each_step(engine, rid: str) -> list[tuple[int, ...]]:
+    """Records the blocks ``rid`` holds in each step in each group and, once a step is
+    scheduled and before it runs, fills every free block's K/V with random values: a block
+    released while a query still reads it would change the tokens (prefix caching off: a
+    free block is never read again)."""
     kv, sched, seen = engine.core.kv_cache_manager, engine.core.scheduler, []
-    config = engine.executor.model_config
     schedule, gen = sched.schedule, torch.Generator().manual_seed(0)
 
     def scribbling_schedule():
         out = schedule()
         if rid in kv.req_to_blocks:
-            seen.append((_held(kv, rid), _held(kv.window, rid)))
-        for i, pair in enumerate(engine.executor.runner.kv_caches):
-            pool = kv if config.layer_window(i) is None else kv.window
-            free = torch.tensor(pool.free_block_ids, dtype=torch.int64)
-            for cache in pair:
-                cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
+            seen.append(tuple(_held(group, rid) for group in kv.groups))
+        free = torch.tensor(kv.free_block_ids, dtype=torch.int64)
+        for cache in {id(c): c for pair in engine.executor.runner.kv_caches for c in pair}.values():
+            cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
         return out
 
     sched.schedule = scribbling_schedule
@@ -185,64 +242,56 @@ def _held_blocks_each_step(engine, rid: str) -> list[tuple[int, int]]:
 
 def _assert_no_leaks(engine) -> None:
     assert_no_leaks(engine)
-    window = engine.core.kv_cache_manager.window
-    assert window.num_free_blocks == window.num_total_blocks and not window.req_to_blocks
-    assert all(b.ref_count == 0 for b in window.blocks)
+    for group in engine.core.kv_cache_manager.others:
+        assert not group.req_to_blocks and not group._req_to_chain and not group._num_dead
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
-def test_gemma3_serves_from_a_window_pool_smaller_than_its_contexts(gemma3, kernels):
-    """8 tokens a step, 2 sequences at most: the window pool is 10 blocks (each request holds
-    at most 5 there), a quarter of what two 70-token contexts fill in the full pool. Three
-    requests alone (free blocks of both pools scribbled on each step) and together (the
-    third waits), with and without the prefix cache: transformers' greedy tokens."""
+def test_gemma3_serves_requests_one_table_could_not_hold(gemma3, kernels):
+    """40 block ids of one layer each: one table for the 3 layers would hold 13 blocks (52
+    tokens), not one 70-token request. With a table per group a request holds its 18 in the
+    full group and at most 5 in each windowed one (8 tokens a step). Three requests alone
+    (free blocks scribbled on each step) and together (two at a time, preempted and
+    recomputed as the pool runs short), with and without the prefix cache: transformers'
+    greedy tokens."""
     path, hf = gemma3
     prompts = {f"r{i}": random_prompt(30, seed=60 + i) for i in range(3)}
     want = {rid: _hf_greedy(hf, prompt, 40) for rid, prompt in prompts.items()}
-    requests = [(rid, prompt, greedy(40)) for rid, prompt in prompts.items()]
+    requests = [(rid, prompt, greedy(40, logprobs=1)) for rid, prompt in prompts.items()]
     for caching in (False, True):
-        engine = tiny_engine(path, num_blocks=64, block_size=4, max_num_batched_tokens=8,
+        engine = tiny_engine(path, num_blocks=40, block_size=4, max_num_batched_tokens=8,
                              max_num_seqs=2, enable_prefix_caching=caching,
                              cpu_kernels=kernels)  # fmt: skip
         kv = engine.core.kv_cache_manager
-        assert isinstance(kv, HybridKVCacheManager) and kv.window.num_total_blocks == 10
-        caches = engine.executor.runner.kv_caches
-        assert [k.shape[0] for k, _ in caches] == [10, 64, 10]  # sliding, full, sliding
+        assert isinstance(kv, HybridKVCacheManager) and kv.kv_groups == TINY
+        # The longest request: 30 full-group ids and 5 in each windowed group, 120 tokens.
+        assert engine.executor.kv_capacity_tokens == engine.max_model_len == 120
         if not caching:
             held = _held_blocks_each_step(engine, "r0")
-            alone = run_alone(engine, requests)
-            assert {rid: alone[rid].token_ids for rid in prompts} == want
-            assert max(w for _, w in held) <= 5 and held[-1][0] == 18  # 70 tokens, 4 a block
-        done = run_batch(engine, requests)
-        assert {rid: done[rid].token_ids for rid in prompts} == want
+            _check(run_alone(engine, requests), want)
+            assert held[-1][0] == 18 and max(max(h[1:]) for h in held) <= 5
+        _check(run_batch(engine, requests), want)
+        assert engine.core.scheduler.num_preemptions > 0
         _assert_no_leaks(engine)
 
 
-def test_gemma3_prefix_hits_and_preemption_keep_the_tokens(gemma3):
-    """A shared 24-token prefix served again after the window pool evicted its early blocks
-    (hits over them, left of the window), and a pool so small the scheduler preempts and
-    recomputes: transformers' greedy tokens throughout."""
+def test_gemma3_prefix_hits_over_evicted_window_blocks_keep_the_tokens(gemma3):
+    """A shared 24-token prefix served again after the pool took the windowed groups' early
+    blocks back (the hit passes over them, left of the window): transformers' tokens."""
     path, hf = gemma3
     shared = random_prompt(24, seed=80)
     prompts = {f"s{i}": shared + random_prompt(6, seed=81 + i) for i in range(3)}
     want = {rid: _hf_greedy(hf, prompt, 20) for rid, prompt in prompts.items()}
-    engine = tiny_engine(path, num_blocks=64, block_size=4, max_num_batched_tokens=8,
+    engine = tiny_engine(path, num_blocks=34, block_size=4, max_num_batched_tokens=8,
                          max_num_seqs=2)  # fmt: skip
     kv = engine.core.kv_cache_manager
-    first = run_alone(engine, [("s0", prompts["s0"], greedy(20))])
-    b = _request("probe", prompts["s1"])
-    hits, num_hit_tokens = kv.get_computed_blocks(b)
-    # s0's 50 tokens took 13 window blocks from a pool of 10: its first ones are gone there
-    # (left of query 24's window), the full pool holds all six.
-    assert num_hit_tokens == 24 and GONE in [w for _, w in hits]
-    rest = run_alone(engine, [(rid, prompts[rid], greedy(20)) for rid in ("s1", "s2")])
-    assert first["s0"].token_ids == want["s0"]
-    assert {rid: rest[rid].token_ids for rid in ("s1", "s2")} == {r: want[r] for r in ("s1", "s2")}
+    first = run_alone(engine, [("s0", prompts["s0"], greedy(20, logprobs=1))])
+    hits, num_hit_tokens = kv.get_computed_blocks(_request("probe", prompts["s1"]))
+    # s0's 50 tokens took 13 + 2 x 13 ids from a pool of 34: its windowed groups' first
+    # blocks were taken again (left of query 24's window); the full group holds all six.
+    assert num_hit_tokens == 24 and GONE in {b for hit in hits for b in hit[1:]}
+    rest = run_alone(engine, [(rid, prompts[rid], greedy(20, logprobs=1)) for rid in ("s1", "s2")])
+    _check(first, {"s0": want["s0"]})
+    _check(rest, {rid: want[rid] for rid in ("s1", "s2")})
     assert rest["s1"].num_cached_tokens == 24
     _assert_no_leaks(engine)
-    tight = tiny_engine(path, num_blocks=14, block_size=4, max_num_batched_tokens=8,
-                        max_num_seqs=2, enable_prefix_caching=False)  # fmt: skip
-    done = run_batch(tight, [(rid, prompt, greedy(20)) for rid, prompt in prompts.items()])
-    assert {rid: done[rid].token_ids for rid in prompts} == want
-    assert tight.core.scheduler.num_preemptions > 0
-    _assert_no_leaks(tight)

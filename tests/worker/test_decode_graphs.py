@@ -27,7 +27,7 @@ def tiny_dirs(tmp_path_factory):
     return {
         "llama": save_hf(build_hf(llama_config()), tmp_path_factory.mktemp("llama")),
         "qwen2": save_hf(build_hf(qwen2_config()), tmp_path_factory.mktemp("qwen2")),
-        # Hybrid: its windowed layers read their own pool (32 blocks here, the full one 96).
+        # Hybrid: a block table per layer group (utils/kv_groups.py).
         "gemma3": save_hf(
             build_hf(tiny_config("gemma3", sliding_window=6)), tmp_path_factory.mktemp("gemma3")
         ),
@@ -102,7 +102,8 @@ def test_fixed_buffer_decode_matches_the_ordinary_path(tiny_dirs, arch, backend,
     engine = _engine(tiny_dirs[arch])
     graphs = engine.executor.runner.decode_graphs
     assert graphs is not None and graphs.backend == backend
-    assert (graphs.window is not None) == (engine.executor.num_window_blocks is not None)
+    groups = engine.executor.kv_groups  # a hybrid model's other groups: their own buffers
+    assert len(graphs.groups) == (0 if groups is None else groups.num_groups - 1)
     fixed = _run(engine, prompts, params)
     assert graphs.num_replays >= max(p.max_tokens for p in params) - 1  # decode steps took it
     assert fixed[0] == plain[0]

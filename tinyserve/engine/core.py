@@ -47,13 +47,11 @@ def _core_output(
 
 
 def _kv_cache_manager(executor: Executor, cache: CacheConfig) -> KVCacheManager:
-    num_window_blocks = executor.num_window_blocks
-    if num_window_blocks is None:
+    if executor.kv_groups is None:
         return KVCacheManager(executor.num_blocks, cache.block_size,
                               enable_prefix_caching=cache.enable_prefix_caching,
                               sliding_window=executor.model_config.uniform_window)  # fmt: skip
-    return HybridKVCacheManager(executor.num_blocks, num_window_blocks, cache.block_size,
-                                executor.model_config.sliding_window,
+    return HybridKVCacheManager(executor.num_blocks, cache.block_size, executor.kv_groups,
                                 enable_prefix_caching=cache.enable_prefix_caching)  # fmt: skip
 
 
@@ -72,7 +70,7 @@ class EngineCore:
         )
         # Blocks left of the window are released where every layer has the same window
         # (Mistral, Phi-3-mini); a model mixing windowed and full layers (Gemma 3) has a
-        # pool per layer group, the windowed layers' released as for those.
+        # table per layer group over one pool, the windowed groups' released as for those.
         self.kv_cache_manager = _kv_cache_manager(executor, config.cache)
         spec = config.speculative
         # With speculation off only requests with a prediction draft (theirs).

@@ -1,78 +1,107 @@
-"""HybridKVCacheManager: two block pools for a model whose layers mix full attention with one
-sliding window (Gemma 3: five local layers of window 512 to each global one). vLLM's hybrid
-KV-cache manager in the simplest form that serves such a model: one pool per layer group.
+"""HybridKVCacheManager: a block table per layer group over one shared pool, for a model
+whose layers mix full attention with one sliding window (Gemma 3) — vLLM's hybrid KV-cache
+manager (utils/kv_groups.py says how the layers are grouped and the cache laid out).
 
-- The full-attention layers' K/V live in one pool (this manager: a KVCacheManager without a
-  window) and the windowed layers' in a second (``self.window``: a KVCacheManager with the
-  window), each layer reading its group's block table (``ScheduledRequest.window_block_ids``;
-  layers/attention.py ``AttentionMetadata.windowed``).
-- A request's windowed-layer blocks wholly left of its next query's window are released as it
-  moves on, as for a model windowed everywhere; its full-attention blocks stay. So a long
-  request holds its whole context in the full pool but only ~one window in the window pool,
-  which the worker sizes for ``max_num_seqs`` such requests (worker/kv_cache.py
-  ``pool_sizes``): the memory the windowed layers would spend on the rest of every context
-  goes to the full pool, i.e. to longer contexts and more requests.
-- Both pools see the same tokens and hash them alike. A prefix hit is the shorter of the two
-  pools' runs (the window pool's may pass over blocks evicted left of the window: ``GONE``).
-- An allocation takes blocks from both pools or from neither. Stats, the live view and the
-  scheduler's "can it ever fit" check read the full pool: a request never holds more blocks
-  in the window pool than in the full one, and the window pool is never the smaller of the
-  two below what one request can hold (``pool_sizes``).
+- Group 0 is this manager itself (full attention, so stats, the live view and the prefix
+  metrics read it as before); every other group is a KVCacheManager sharing its pool (blocks,
+  free queue, prefix cache, ghosts), with the group's window or none. A windowed group
+  releases a request's blocks wholly left of its next query's window as it moves on, enters
+  hits left of the first query's window dead and passes over evicted ones (``GONE``), as for
+  a model windowed everywhere; a full-attention group keeps every block.
+- So a long request holds its whole context only in the full-attention groups: the memory
+  the windowed layers would spend on the rest of it stays free for other requests, and the
+  pool is shared, so no split between the groups has to be guessed.
+- Every group hashes the same tokens from its own root (kv_cache_utils.root_hash), so no
+  hit crosses groups. A prefix hit is the run every group holds: each group's lookup is
+  capped by the previous group's run.
+- An allocation takes every group's blocks or none: all groups' needs are counted against
+  the one free queue first, every group's hits are taken out of it before any group takes a
+  new block (a free hit must not be reused by another group first).
 """
 
 from __future__ import annotations
 
 from tinyserve.engine.kv_cache_manager import KVCacheManager
 from tinyserve.request import Request
+from tinyserve.utils.kv_groups import KVGroups
 
 
 class HybridKVCacheManager(KVCacheManager):
-    """The full-attention layers' pool (``num_blocks``), with the windowed layers' own pool
-    (``num_window_blocks``, window ``window``) alongside as ``self.window``."""
+    """``num_blocks`` ids, each a page of ``groups.size`` layers, shared by the groups."""
 
-    def __init__(self, num_blocks: int, num_window_blocks: int, block_size: int,
-                 window: int, enable_prefix_caching: bool = True):  # fmt: skip
+    def __init__(self, num_blocks: int, block_size: int, groups: KVGroups,
+                 enable_prefix_caching: bool = True):  # fmt: skip
+        if groups.windows[0] is not None:
+            raise ValueError("a hybrid model's first layer group is a full-attention one")
         super().__init__(num_blocks, block_size, enable_prefix_caching)
-        self.window = KVCacheManager(num_window_blocks, block_size, enable_prefix_caching,
-                                     sliding_window=window)  # fmt: skip
+        self.kv_groups = groups
+        self.keep_ghosts = True  # (shared by the groups below)
+        self.others = [
+            KVCacheManager(num_blocks, block_size, enable_prefix_caching, w, share=self, group=g)
+            for g, w in enumerate(groups.windows[1:], start=1)
+        ]
+
+    @property
+    def groups(self) -> list[KVCacheManager]:
+        return [self, *self.others]
+
+    def blocks_to_hold(self, num_tokens: int, max_chunk: int) -> int:
+        return self.kv_groups.blocks_to_hold(num_tokens, max_chunk, self.block_size)
 
     def get_computed_blocks(
         self, request: Request, max_blocks: int | None = None
-    ) -> tuple[list[tuple[int, int]], int]:
-        """The hit both pools hold: (full block id, window block id) pairs, and its tokens."""
-        full, _ = super().get_computed_blocks(request, max_blocks)
-        windowed, _ = self.window.get_computed_blocks(request, len(full))
-        return list(zip(full, windowed, strict=False)), len(windowed) * self.block_size
+    ) -> tuple[list[tuple[int, ...]], int]:
+        """The run every group holds: one tuple of block ids per block (one id per group)."""
+        runs = [super().get_computed_blocks(request, max_blocks)[0]]
+        for group in self.others:
+            runs.append(group.get_computed_blocks(request, len(runs[-1]))[0])
+        n = min(len(run) for run in runs)
+        return list(zip(*(run[:n] for run in runs), strict=True)), n * self.block_size
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        computed_blocks: list[tuple[int, int]] | None = None,
+        computed_blocks: list[tuple[int, ...]] | None = None,
     ) -> list[int] | None:
-        """Both pools' tables cover the tokens, or neither changes (but for the window pool's
-        release of blocks left of the window). Returns the full-attention layers' table; the
-        windowed layers' is ``window_block_ids``."""
-        full = [f for f, _ in computed_blocks or ()]
-        windowed = [w for _, w in computed_blocks or ()]
-        if self.window.blocks_short(request, num_new_tokens, windowed) > 0:
+        """Every group's table covers the tokens, or nothing changes (but the windowed
+        groups' release of blocks left of the window). Returns group 0's table; the others'
+        are ``group_block_ids``."""
+        hits = list(zip(*computed_blocks, strict=True)) if computed_blocks else []
+        per_group = [list(hits[g]) if hits else [] for g in range(len(self.others) + 1)]
+        groups = self.groups
+        needed = sum(group.blocks_needed(request, num_new_tokens, group_hits)
+                     for group, group_hits in zip(groups, per_group, strict=True))  # fmt: skip
+        if needed > self.num_free_blocks:
             return None
-        if self.blocks_short(request, num_new_tokens, full) > 0:
-            return None
-        self.window.allocate_slots(request, num_new_tokens, windowed)
-        return super().allocate_slots(request, num_new_tokens, full)
+        for group, group_hits in zip(groups, per_group, strict=True):
+            group.enter_hits(request, group_hits)
+        for group in self.others:
+            group.extend(request, num_new_tokens)
+        return self.extend(request, num_new_tokens)
 
-    def window_block_ids(self, request_id: str) -> list[int] | None:
-        return self.window.get_block_ids(request_id)
+    def group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        return [group.get_block_ids(request_id) for group in self.others]
+
+    def pool_map(self) -> str:
+        """As KVCacheManager's, with every group's held blocks."""
+        chars = bytearray(super().pool_map(), "ascii")
+        for group in self.others:
+            for rid, table in group.req_to_blocks.items():
+                for block_id in table[group.num_dead_blocks(rid) :]:
+                    chars[block_id] = 115 if self.blocks[block_id].ref_count > 1 else 117
+        return chars.decode("ascii")
 
     def free(self, request_id: str) -> None:
-        super().free(request_id)
-        self.window.free(request_id)
+        for group in self.groups:
+            KVCacheManager.free(group, request_id)
 
     def trim(self, request: Request) -> None:
-        super().trim(request)
-        self.window.trim(request)
+        for group in self.groups:
+            KVCacheManager.trim(group, request)
 
     def reset_prefix_cache(self) -> None:
-        super().reset_prefix_cache()
-        self.window.reset_prefix_cache()
+        KVCacheManager.reset_prefix_cache(self)  # the shared cache and ghosts; group 0's chains
+        for group in self.others:
+            for chain in group._req_to_chain.values():
+                chain.cacheable = False

@@ -51,7 +51,8 @@ class KVCacheManager:
     """A fixed pool of ``num_blocks`` blocks, a free queue in LRU order and a prefix cache."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):  # fmt: skip
+                 sliding_window: int | None = None, share: KVCacheManager | None = None,
+                 group: int = 0):  # fmt: skip
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -73,6 +74,14 @@ class KVCacheManager:
         # With a window on every layer: evicted hashed blocks' identities (tokens, content id,
         # parent's), so a hit may pass over them left of its window and stay exact.
         self._ghosts: OrderedDict[int, tuple] = OrderedDict()
+        self.keep_ghosts = sliding_window is not None
+        # A hybrid model's other layer groups share the first's pool (blocks, free queue,
+        # prefix cache, ghosts); their hashes start from ``group``, so no hit crosses groups.
+        self.group = group
+        if share is not None:
+            for name in ("blocks", "_free_queue", "cached_block_hash_to_block", "_ghosts",
+                         "_content_ids", "keep_ghosts"):  # fmt: skip
+                setattr(self, name, getattr(share, name))
         # vLLM's prefix-cache metrics: tokens looked up / tokens found; and the same in blocks.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -146,7 +155,7 @@ class KVCacheManager:
         whole = (len(tokens) - 1) // bs
         max_blocks = whole if max_blocks is None else min(whole, max_blocks)
         hits: list[int] = []
-        parent_hash = root_hash(request)
+        parent_hash = root_hash(request, self.group)
         parent_content_id: int | None = None
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
@@ -197,52 +206,20 @@ class KVCacheManager:
         ``computed_blocks`` (prefix hits from ``get_computed_blocks``, only for a request with
         no blocks yet) become the start of its table; the caller has already counted them in
         ``request.num_computed_tokens``. Returns the whole block table, or None when the free
-        queue cannot supply the blocks (``blocks_short``), changing nothing but releasing the
-        blocks already left of the window (which no later query reads).
+        queue cannot supply the blocks (``blocks_needed``), changing nothing but releasing
+        the blocks already left of the window (which no later query reads).
         """
-        request_id = request.request_id
-        computed_blocks = computed_blocks or []
-        if self.blocks_short(request, num_new_tokens, computed_blocks) > 0:
+        if self.blocks_needed(request, num_new_tokens, computed_blocks) > self.num_free_blocks:
             return None
-        table = self.req_to_blocks.get(request_id)
-        num_held = len(table or ()) + len(computed_blocks)
-        num_required = request.num_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, -(-num_required // self.block_size) - num_held)
-        # Hits left of the first new query's window are entered dead, never taken.
-        num_dead_hits = min(self._left_of(request.num_computed_tokens), len(computed_blocks))
-        if table is None:
-            table = self.req_to_blocks[request_id] = []
-            self._req_to_chain[request_id] = HashChain()
-        chain = self._req_to_chain[request_id]
-        for i, block_id in enumerate(computed_blocks):
-            if block_id == GONE:  # left of the window, evicted: any id stands in (dead)
-                self._enter_gone(request, table, chain)
-                continue
-            block = self.blocks[block_id]
-            if i >= num_dead_hits:
-                if block.ref_count == 0:
-                    del self._free_queue[block_id]
-                block.ref_count += 1
-            table.append(block_id)
-            chain.hashes.append(block.block_hash)
-            chain.content_ids.append(block.content_id)
-        if num_dead_hits:
-            self._num_dead[request_id] = num_dead_hits
-        for _ in range(num_new_blocks):
-            block_id, _ = self._free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            self._evict(block)
-            block.ref_count = 1
-            table.append(block_id)
-        self._register(request, table, num_required)
-        self._release_left_of_window(request, table)
-        return list(table)
+        self.enter_hits(request, computed_blocks or [])
+        return self.extend(request, num_new_tokens)
 
-    def blocks_short(
+    def blocks_needed(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> int:
-        """How many blocks ``allocate_slots`` with these arguments would lack (<= 0: none),
-        once the blocks left of the window are released (the only change made here)."""
+        """The blocks ``allocate_slots`` with these arguments takes from the free queue (new
+        ones and free cached hits), once the blocks left of the window are released (the
+        only change made here)."""
         computed_blocks = computed_blocks or []
         table = self.req_to_blocks.get(request.request_id)
         if computed_blocks and table:
@@ -260,11 +237,51 @@ class KVCacheManager:
         num_free_hits = sum(
             1 for b in computed_blocks[num_dead_hits:] if self.blocks[b].ref_count == 0
         )
-        return num_new_blocks + num_free_hits - self.num_free_blocks
+        return num_new_blocks + num_free_hits
 
-    def window_block_ids(self, request_id: str) -> list[int] | None:
-        """The block table of the windowed layers where they have their own pool (a hybrid
-        model: engine/hybrid_kv_cache_manager.py); here None, every layer reads one table."""
+    def enter_hits(self, request: Request, computed_blocks: list[int]) -> None:
+        """Start a new request's table with its prefix hits (taken out of the free queue
+        before any new block is: a free hit must not be reused first). Hits left of the first
+        new query's window are entered dead, never taken."""
+        request_id = request.request_id
+        if request_id not in self.req_to_blocks:
+            self.req_to_blocks[request_id] = []
+            self._req_to_chain[request_id] = HashChain()
+        table, chain = self.req_to_blocks[request_id], self._req_to_chain[request_id]
+        num_dead_hits = min(self._left_of(request.num_computed_tokens), len(computed_blocks))
+        for i, block_id in enumerate(computed_blocks):
+            if block_id == GONE:  # left of the window, evicted: any id stands in (dead)
+                self._enter_gone(request, table, chain)
+                continue
+            block = self.blocks[block_id]
+            if i >= num_dead_hits:
+                if block.ref_count == 0:
+                    del self._free_queue[block_id]
+                block.ref_count += 1
+            table.append(block_id)
+            chain.hashes.append(block.block_hash)
+            chain.content_ids.append(block.content_id)
+        if num_dead_hits:
+            self._num_dead[request_id] = num_dead_hits
+
+    def extend(self, request: Request, num_new_tokens: int) -> list[int]:
+        """New blocks to cover the step's tokens (enough are free: ``blocks_needed``), the
+        full ones registered, those left of the window released. Returns the table."""
+        table = self.req_to_blocks[request.request_id]
+        num_required = request.num_computed_tokens + num_new_tokens
+        for _ in range(max(0, -(-num_required // self.block_size) - len(table))):
+            block_id, _ = self._free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            table.append(block_id)
+        self._register(request, table, num_required)
+        self._release_left_of_window(request, table)
+        return list(table)
+
+    def group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        """The block tables of a hybrid model's other layer groups
+        (engine/hybrid_kv_cache_manager.py); here None, every layer reads one table."""
         return None
 
     def free(self, request_id: str) -> None:
@@ -317,7 +334,7 @@ class KVCacheManager:
         """An evicted hit, dead in the table (block 0 stands in: a dead entry's values are
         weighted 0), its identity from its ghost (none left: the request registers no more)."""
         i, bs = len(table), self.block_size
-        parent_hash = chain.hashes[-1] if chain.hashes else root_hash(request)
+        parent_hash = chain.hashes[-1] if chain.hashes else root_hash(request, self.group)
         tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
         ghost = self._ghosts.get(block_hash := hash_block_tokens(parent_hash, tokens))
         chain.cacheable = chain.cacheable and ghost is not None
@@ -340,7 +357,7 @@ class KVCacheManager:
         for i in range(len(chain.hashes), num_full):
             if not chain.cacheable:
                 return
-            parent_hash = chain.hashes[-1] if chain.hashes else root_hash(request)
+            parent_hash = chain.hashes[-1] if chain.hashes else root_hash(request, self.group)
             parent_content_id = chain.content_ids[-1] if chain.content_ids else None
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block_tokens(parent_hash, block_tokens)
@@ -374,7 +391,7 @@ class KVCacheManager:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) == block.block_id:
                 del self.cached_block_hash_to_block[block.block_hash]
-                if self.sliding_window is not None and self.enable_prefix_caching:
+                if self.keep_ghosts and self.enable_prefix_caching:
                     self._ghosts[block.block_hash] = block_ident(block)
                     if len(self._ghosts) > GHOSTS_PER_BLOCK * self.num_total_blocks:
                         self._ghosts.popitem(last=False)  # the oldest

@@ -43,11 +43,13 @@ def block_ident(block: KVCacheBlock) -> tuple:
     return (block.token_ids, block.content_id, block.parent_content_id)
 
 
-def root_hash(request: Request) -> int | None:
+def root_hash(request: Request, group: int = 0) -> int | None:
     """The parent of a request's first block: its ``cache_salt``, so that requests with
-    different salts never share a block (vLLM's isolation of the prefix cache)."""
+    different salts never share a block (vLLM's isolation of the prefix cache), and the
+    layer group whose pool it is in (a hybrid model's groups share one pool)."""
     salt = request.sampling_params.cache_salt
-    return None if salt is None else hash(("cache_salt", salt))
+    root = None if salt is None else hash(("cache_salt", salt))
+    return root if group == 0 else hash(("kv_group", group, root))
 
 
 def clear_hash(block: KVCacheBlock) -> None:

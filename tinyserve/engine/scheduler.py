@@ -129,8 +129,8 @@ class Scheduler:
             if block_ids is None:
                 break  # the request was itself the last one: nothing after it runs
             num_new += len(drafts)
-            window = self.kv_cache_manager.window_block_ids(request.request_id)
-            scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts, window))
+            groups = self.kv_cache_manager.group_block_ids(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts, groups))
             budget -= num_new
             prompt_budget -= num_new if prefilling else 0
             index += 1
@@ -309,8 +309,8 @@ class Scheduler:
             if request.num_preemptions == 0:  # first admission (a recompute hits its own blocks)
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
-            window = kv.window_block_ids(request.request_id)
-            scheduled.append(ScheduledRequest(request, num_new, block_ids, [], window))
+            groups = kv.group_block_ids(request.request_id)
+            scheduled.append(ScheduledRequest(request, num_new, block_ids, [], groups))
             budget -= num_new
         return budget
 

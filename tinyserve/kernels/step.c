@@ -13,8 +13,8 @@
 // residual multiplier, gemma3.py's norms of the attention and MLP outputs); act_and_mul is
 // SiLU's, or Gemma 3's tanh GELU (gelu_tanh_and_mul below); a NoPE layer (smollm3.py)
 // rotates by the step's identity tables, a Gemma 3 local layer by its second table; a layer
-// with a sliding window passes it to the attention (and, in a hybrid model, its own pool's
-// slots and block tables).
+// with a sliding window passes it to the attention; a hybrid model's layer reads its layer
+// group's slots and block tables.
 // Rows [0, nd) are decode rows (linear layers with int8_decode send them to qgemm).
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <string.h>
@@ -53,6 +53,7 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm;  // norms of the branch outputs, or NULL (Gemma 3)
     int64_t rope;  // the step's table: 0 the identity (a NoPE layer), 1 the table, 2 the second
     int64_t window;  // the layer's sliding window (0: none; Gemma 3's local layers, Mistral)
+    int64_t group;   // a hybrid model's layer group whose slots and tables it reads (0: step's)
 } layer_t;
 
 typedef struct {
@@ -77,11 +78,11 @@ typedef struct {  // this step's attention inputs (layers/attention.py KernelInp
     const int32_t *block_tables;
     int64_t max_blocks;
     float *const *k_caches, *const *v_caches;  // [num_layers] each
-    // A hybrid model's windowed layers' own pool (engine/hybrid_kv_cache_manager.py): their
-    // slots and block tables; NULL where every layer reads the ones above.
-    const int64_t *slot_mapping_w;
-    const int32_t *block_tables_w;
-    int64_t max_blocks_w;
+    // A hybrid model's layer groups 1, 2, ... (utils/kv_groups.py): each one's slots, block
+    // tables and their width, [group - 1]; NULL where every layer reads the ones above.
+    const int64_t *const *group_slots;
+    const int32_t *const *group_tables;
+    const int64_t *group_max_blocks;
 } step_t;
 
 // gate_up [rows, 2I] -> out [rows, I]: gelu_tanh(gate) * up, where gelu_tanh(g) =
@@ -161,16 +162,16 @@ int forward_layers(const model_t *mo, const step_t *st, float *x, float *residua
         rc |= linear(mo, &L->qkv, h, qkv, M, nd, nt);
         if (L->q_norm)
             mo->head_norm(qkv, L->q_norm, L->k_norm, M, (int)NH, (int)KVH, (int)D, mo->eps, nt);
-        const int own = L->window && st->block_tables_w;  // its group's pool (hybrid)
+        const int64_t g = st->group_tables ? L->group : 0;  // its layer group's (hybrid)
         mo->rope_and_cache(qkv, cos[L->rope], sin[L->rope], st->k_caches[l], st->v_caches[l],
-                           own ? st->slot_mapping_w : st->slot_mapping, M, (int)NH, (int)KVH,
+                           g ? st->group_slots[g - 1] : st->slot_mapping, M, (int)NH, (int)KVH,
                            (int)D, nt);
         rc |= mo->paged_attention(qkv, QKV, st->k_caches[l], st->v_caches[l],
                                   (int)mo->block_size, (int)NH, (int)KVH, (int)D,
                                   st->query_start_loc, st->seq_lens, st->seq_of_token, M,
-                                  own ? st->block_tables_w : st->block_tables,
-                                  own ? st->max_blocks_w : st->max_blocks, mo->scale, L->window,
-                                  o, nt);
+                                  g ? st->group_tables[g - 1] : st->block_tables,
+                                  g ? st->group_max_blocks[g - 1] : st->max_blocks, mo->scale,
+                                  L->window, o, nt);
         rc |= linear(mo, &L->o, o, x, M, nd, nt);
         scale(x, M * H, mo->branch_scale);
         out_norm(mo, L->attn_out_norm, x, t, M, nt);

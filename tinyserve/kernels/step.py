@@ -31,7 +31,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("q_norm", P), ("k_norm", P),
                 ("attn_out_norm", P), ("mlp_out_norm", P), ("rope", I64),
-                ("window", I64)]  # fmt: skip
+                ("window", I64), ("group", I64)]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -49,7 +49,7 @@ class _Step(ctypes.Structure):
                 ("query_start_loc", P),
                 ("seq_lens", P), ("seq_of_token", P), ("block_tables", P),
                 ("max_blocks", I64), ("k_caches", P), ("v_caches", P),
-                ("slot_mapping_w", P), ("block_tables_w", P), ("max_blocks_w", I64)]  # fmt: skip
+                ("group_slots", P), ("group_tables", P), ("group_max_blocks", P)]  # fmt: skip
 
 
 @functools.cache
@@ -161,10 +161,17 @@ class StepPlan:
                      kin.query_start_loc.data_ptr(), kin.seq_lens.data_ptr(),
                      kin.seq_of_token.data_ptr(), kin.block_tables.data_ptr(),
                      kin.block_tables.shape[1], ctypes.addressof(ks), ctypes.addressof(vs))  # fmt: skip
-        if meta.windowed is not None:  # a hybrid model's windowed layers: their own pool
-            step.slot_mapping_w = meta.windowed.slot_mapping.data_ptr()
-            step.block_tables_w = meta.windowed.kernel.block_tables.data_ptr()
-            step.max_blocks_w = meta.windowed.kernel.block_tables.shape[1]
+        if meta.group_metas:  # a hybrid model's layer groups 1, 2, ...: their own tables
+            n = len(meta.group_metas)
+            groups = (
+                (ctypes.c_void_p * n)(*(m.slot_mapping.data_ptr() for m in meta.group_metas)),
+                (ctypes.c_void_p * n)(*(m.kernel.block_tables.data_ptr()
+                                        for m in meta.group_metas)),
+                (ctypes.c_int64 * n)(*(m.kernel.block_tables.shape[1] for m in meta.group_metas)),
+            )  # fmt: skip
+            step.group_slots, step.group_tables, step.group_max_blocks = map(
+                ctypes.addressof, groups
+            )
         rc = self._lib.forward_layers(
             ctypes.addressof(self._struct), ctypes.addressof(step), x.data_ptr(),
             residual.data_ptr(), x.shape[0], meta.num_decode_tokens, kernel_threads(),
@@ -198,7 +205,7 @@ def build_plan(model) -> StepPlan | None:
         weights = [None if n is None else n.weight for n in layer.step_norms()]
         layers.append(_Layer(*map(_ptr, weights[:2]), *lins, *map(_ptr, heads),
                              *map(_ptr, weights[2:]), attn.step_table,
-                             attn.window or 0))  # fmt: skip
+                             attn.window or 0, attn.kv_group))  # fmt: skip
         keep += [n.weight for n in norms] + heads
         keep += [(m.method.kernel, m.method.packed, m.bias) for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip

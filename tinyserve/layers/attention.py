@@ -10,7 +10,7 @@ A step's tokens are flat (ragged, no padding between requests). Each layer:
    The window is the layer's (``window=`` to :func:`paged_attention`); the kernels take it as
    an argument, the torch path's masks for the model's one window are built once per step
    beside the full-attention ones (``AttentionMetadata.window_groups``). A hybrid model's
-   windowed layers keep their K/V in a pool of their own (``AttentionMetadata.windowed``).
+   layer groups each read their own table (``AttentionMetadata.group_metas``).
 
 Two implementations:
 
@@ -91,17 +91,17 @@ class AttentionMetadata:
     # (masks cut to each query's last ``window`` positions); None: none were built.
     window: int | None = None
     window_groups: list[AttentionGroup] | None = None
-    # A hybrid model's windowed layers' own metadata: their block tables and slots (their
-    # pool's, engine/hybrid_kv_cache_manager.py), built with the window; None: one table.
-    windowed: AttentionMetadata | None = None
+    # A hybrid model's other layer groups' metadata (their block tables and slots, group 1
+    # first: utils/kv_groups.py); None: every layer reads this one.
+    group_metas: list[AttentionMetadata] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def of_layer(self, window: int | None) -> AttentionMetadata:
-        """What a layer with this sliding window (None: full attention) reads."""
-        return self if window is None or self.windowed is None else self.windowed
+    def of_group(self, group: int) -> AttentionMetadata:
+        """What a layer of this layer group reads (LlamaAttention.kv_group)."""
+        return self if group == 0 or self.group_metas is None else self.group_metas[group - 1]
 
     @classmethod
     def build(

@@ -35,11 +35,11 @@ class AttentionMethod:
 
     def metadata(
         self, query_lens, seq_lens, block_tables, block_size, device, dtype, num_decode_seqs,
-        sliding_window: int | None = None, window_block_tables=None,
+        sliding_window: int | None = None, group_block_tables=None,
     ) -> AttentionMetadata:  # fmt: skip
         """The step's metadata in the form this method reads (``sliding_window``: the
         model's, ModelConfig.sliding_window: the torch path's masks for it too), and with a
-        hybrid model's ``window_block_tables`` its windowed layers' (``windowed``)."""
+        hybrid model's ``group_block_tables`` its other layer groups' (``group_metas``)."""
 
         def build(tables, window):
             return AttentionMetadata.build(
@@ -48,10 +48,9 @@ class AttentionMethod:
                 decode_backend=self.decode_backend, sliding_window=window,
             )  # fmt: skip
 
-        if window_block_tables is None:
-            return build(block_tables, sliding_window)
-        meta = build(block_tables, None)
-        meta.windowed = build(window_block_tables, sliding_window)
+        meta = build(block_tables, sliding_window)
+        if group_block_tables is not None:  # (full and windowed groups alike: masks for both)
+            meta.group_metas = [build(tables, sliding_window) for tables in group_block_tables]
         return meta
 
     def attend(self, attn, qkv: torch.Tensor, cos_sin, kv_cache, meta) -> torch.Tensor:

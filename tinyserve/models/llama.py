@@ -45,6 +45,7 @@ from tinyserve.layers.linear import (
 )
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.layers.rotary import RotaryEmbedding
+from tinyserve.utils.kv_groups import kv_groups
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, kv_heads, head_dim],) * 2
 
@@ -65,6 +66,10 @@ class LlamaAttention(nn.Module):
         # The last ``window`` keys only (None: all of them): Mistral's every layer, Gemma 3's
         # local ones (ModelConfig.layer_window); what the attention methods and step.c read.
         self.window = config.layer_window(layer_idx)
+        # A hybrid model's layer group: whose block table and slots it reads (utils/kv_groups.py;
+        # 0 where every layer reads one table).
+        groups = kv_groups(config)
+        self.kv_group = 0 if groups is None else groups.layer_group[layer_idx]
         hidden = config.hidden_size
         self.qkv_proj = QKVParallelLinear(
             hidden,
@@ -101,7 +106,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         nd = meta.num_decode_tokens
         qkv = self.normalize_qk(self.qkv_proj(x, nd))  # [num_tokens, q_size + 2 * kv_size]
-        meta = meta.of_layer(self.window)  # a hybrid model's windowed layers: their own pool
+        meta = meta.of_group(self.kv_group)  # a hybrid model's layer group: its own table
         o = self.method.attend(self, qkv, self.rotary(cos_sin), kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size), nd)
 

@@ -11,8 +11,8 @@ computes one generated token, no drafts) of ``n`` sequences runs in the smallest
 KV slots, int32 context lengths and block tables (``max_model_len / block_size`` columns).
 Rows ``n..b`` are padding: token 0 at position 0, context length 1, writing its K/V to a
 scratch block past the real ones (the runner allocates ``num_blocks + 1``; a hybrid model's
-windowed layers have their own slots, tables and scratch block) and reading it back, so no
-real block is touched. Attention is :meth:`AttentionMetadata.static_decode`:
+layer groups have their own slots and tables) and reading it back, so no real block is
+touched. Attention is :meth:`AttentionMetadata.static_decode`:
 the Triton block-table kernel where Triton is present (its grid depends on ``b`` only and it
 reads the lengths on the device), else the masked torch form at the table's full width.
 
@@ -61,7 +61,7 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device,
         capture: bool,
-        window_scratch_block: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -86,19 +86,16 @@ class DecodeGraphs:
             )
             for n in self.buckets
         }
-        # A hybrid model's windowed layers: their own pool's slots and tables (and scratch).
-        self.window_scratch_slot = (window_scratch_block or 0) * block_size
-        self.window = None if window_scratch_block is None else (
-            torch.full((b,), window_scratch_block * block_size, dtype=torch.int64, device=dev),
-            torch.full((b, self.max_blocks), window_scratch_block, dtype=torch.int32,
-                       device=dev),
-        )  # fmt: skip
+        # A hybrid model's other layer groups: their own slots and tables (the scratch block
+        # is a page of the shared pool, utils/kv_groups.py).
+        self.groups = [(self.slots.clone(), self.tables.clone()) for _ in range(num_groups - 1)]
         for n, meta in self.metas.items():
-            if self.window is not None:
-                meta.windowed = AttentionMetadata.static_decode(
-                    self.window[0][:n], self.seq_lens[:n], self.window[1][:n], block_size,
-                    self.backend,
-                )  # fmt: skip
+            if self.groups:
+                meta.group_metas = [
+                    AttentionMetadata.static_decode(slots[:n], self.seq_lens[:n], tables[:n],
+                                                    block_size, self.backend)  # fmt: skip
+                    for slots, tables in self.groups
+                ]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0  # steps this path ran (replayed or, capture off, eager)
@@ -129,9 +126,8 @@ class DecodeGraphs:
             *self._slots_and_tables(step.block_tables, step.seq_lens, self.scratch_slot, pad),
             torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32),
         ]
-        if self.window is not None:
-            inputs += self._slots_and_tables(step.window_block_tables, step.seq_lens,
-                                             self.window_scratch_slot, pad)  # fmt: skip
+        for tables in step.group_block_tables or ():
+            inputs += self._slots_and_tables(tables, step.seq_lens, self.scratch_slot, pad)
         return inputs
 
     def _slots_and_tables(self, block_tables, seq_lens, scratch_slot: int, pad: int) -> list:
@@ -151,16 +147,18 @@ class DecodeGraphs:
     def run(self, n: int, staged: list[torch.Tensor]) -> torch.Tensor:
         """The forward of ``n`` decode rows from ``staged`` (host_inputs on the device):
         hidden states [n, hidden]."""
-        ids, pos, slots, tables, seq_lens, *window = staged
+        ids, pos, slots, tables, seq_lens, *groups = staged
         b = ids.shape[0]
         self.ids[:b].copy_(ids)
         self.positions[:b].copy_(pos)
         self.slots[:b].copy_(slots)
         self.seq_lens[:b].copy_(seq_lens)
         self.tables[:b, : tables.shape[1]].copy_(tables)
-        if window:
-            self.window[0][:b].copy_(window[0])
-            self.window[1][:b, : window[1].shape[1]].copy_(window[1])
+        for (g_slots, g_tables), new_slots, new_tables in zip(
+            self.groups, groups[::2], groups[1::2], strict=True
+        ):
+            g_slots[:b].copy_(new_slots)
+            g_tables[:b, : new_tables.shape[1]].copy_(new_tables)
         self.num_replays += 1
         if b in self.graphs:
             graph, out = self.graphs[b]

@@ -33,15 +33,11 @@ from tinyserve.models.loader import (
     resolve_model_source,
 )
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput
+from tinyserve.utils.kv_groups import kv_groups
 from tinyserve.worker import memory
 from tinyserve.worker.autotune import resolve_engine_dtype
 from tinyserve.worker.device import resolve_device
-from tinyserve.worker.kv_cache import (
-    hybrid_window,
-    kv_cache_bytes,
-    pool_sizes,
-    resolve_kv_cache_dtype,
-)
+from tinyserve.worker.kv_cache import bytes_per_block, num_blocks_for, resolve_kv_cache_dtype
 from tinyserve.worker.model_runner import ModelRunner
 from tinyserve.worker.tp_worker import TPDriver, start_tensor_parallel
 
@@ -127,24 +123,26 @@ class Executor:
         self.model_config: ModelConfig = self.model.config
         cache = dataclasses.replace(config.cache, kv_cache_memory=self._kv_budget(config, tp))
         self.kv_dtype = resolve_kv_cache_dtype(load.kv_cache_dtype, self.model)
-        # A hybrid model's windowed layers get their own pool (worker/kv_cache.py pool_sizes).
-        self.num_blocks, self.num_window_blocks = pool_sizes(
-            self.model_config, cache, self.kv_dtype, tp.size, sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-        )  # fmt: skip
+        # A hybrid model's block is a page of one layer group (utils/kv_groups.py).
+        self.num_blocks = num_blocks_for(self.model_config, cache, self.kv_dtype, tp.size)
+        self.kv_groups = kv_groups(self.model_config)
         self.block_size = cache.block_size
         self.kv_capacity_tokens = self.num_blocks * cache.block_size
+        if self.kv_groups is not None:  # the longest request the groups' tables fit
+            chunk = sched.max_num_batched_tokens if sched.enable_chunked_prefill else 1 << 40
+            self.kv_capacity_tokens = self.kv_groups.capacity_tokens(
+                self.num_blocks, chunk, cache.block_size
+            )
         self.max_model_len = resolve_max_model_len(
             self.model_config, load.max_model_len, self.kv_capacity_tokens,
             sched.max_num_batched_tokens if sched.enable_chunked_prefill else 0, self.block_size,
         )  # fmt: skip
-        # The other ranks allocate the same numbers of blocks.
-        tp.broadcast((self.num_blocks, self.num_window_blocks))
+        tp.broadcast(self.num_blocks)  # the other ranks allocate the same number of blocks
         self.runner = ModelRunner(
             self.model, self.num_blocks, cache.block_size, tp.device,
             decode_graphs=decode_graphs_mode(tp.device, tp.size, load.enforce_eager),
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
-            kv_dtype=self.kv_dtype, num_window_blocks=self.num_window_blocks,
+            kv_dtype=self.kv_dtype,
         )  # fmt: skip
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.capture()
@@ -152,10 +150,9 @@ class Executor:
         self.rank_paths = tp.gather(numerics_path(self.model))  # what each rank computes with
         if any(path != self.rank_paths[0] for path in self.rank_paths):
             raise RuntimeError(f"tensor-parallel ranks run different numerics: {self.rank_paths}")
-        self.kv_cache_bytes = kv_cache_bytes(
-            self.model_config, cache.block_size, self.kv_dtype, tp.size, self.num_blocks,
-            self.num_window_blocks,
-        )  # fmt: skip
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block(
+            self.model_config, cache.block_size, self.kv_dtype, tp.size
+        )
 
     def _kv_budget(self, config: ExecutorConfig, tp: TPGroup) -> int:
         """--kv-cache-memory, else 1 GiB (CPU, MPS) or, on CUDA, what a profiling forward of
@@ -203,15 +200,18 @@ class Executor:
         return (
             f"{self.source.name} on {self.device} ({str(self.dtype).replace('torch.', '')}), "
             f"KV cache {self.num_blocks} blocks x {self.block_size} = {self.kv_capacity_tokens} "
-            f"tokens{self._window_pool()} ({self.kv_cache_bytes / 2**20:.0f} MiB), "
+            f"tokens{self._groups()} ({self.kv_cache_bytes / 2**20:.0f} MiB), "
             f"max_model_len {self.max_model_len}"
         )
 
-    def _window_pool(self) -> str:
-        if self.num_window_blocks is None:
+    def _groups(self) -> str:
+        g = self.kv_groups
+        if g is None:
             return ""
-        return (f" (full-attention layers; windowed layers {self.num_window_blocks} blocks, "
-                f"window {hybrid_window(self.model_config)})")  # fmt: skip
+        windows = sum(w is not None for w in g.windows)
+        return (f" shared by {g.num_groups} layer groups of {g.size} layers ({windows} with "
+                f"window {self.model_config.sliding_window}; one request up to "
+                f"{self.kv_capacity_tokens} tokens)")  # fmt: skip
 
 
 def decode_graphs_mode(device: torch.device, tp_size: int, enforce_eager: bool) -> str:

@@ -8,7 +8,8 @@ import mmap
 
 import torch
 
-from tinyserve.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig, window_live_blocks
+from tinyserve.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig
+from tinyserve.utils.kv_groups import KVGroups, kv_groups
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -46,12 +47,13 @@ def attention_tiles(model) -> bool:
 def bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
 ) -> int:
-    """K and V of one block across all layers, on one rank (which holds 1/tp_size of the
-    KV heads)."""
+    """K and V of one block id on one rank (which holds 1/tp_size of the KV heads): across
+    all layers, or a hybrid model's page of one layer group (utils/kv_groups.py)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     heads = config.num_key_value_heads // tp_size
     per_layer = block_size * heads * config.head_dim * itemsize
-    return 2 * config.num_hidden_layers * per_layer
+    groups = kv_groups(config)
+    return 2 * (config.num_hidden_layers if groups is None else groups.size) * per_layer
 
 
 def num_blocks_for(
@@ -77,12 +79,13 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     tp_size: int = 1,
-    num_window_blocks: int | None = None,
+    groups: KVGroups | None = None,
 ) -> list[KVCache]:
     """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads / tp_size,
-    head_dim] — or, given ``num_window_blocks`` (a hybrid model's window pool,
-    :func:`pool_sizes`), that many blocks in its windowed layers. Zero-filled so a stale read
-    can never be NaN (on a CPU: fresh zero pages, each touched once).
+    head_dim]. With a hybrid model's ``groups`` (utils/kv_groups.py) the cache holds
+    ``groups.size`` pairs (slots), each shared by one layer of every group: layer l's is
+    slot ``groups.layer_slot[l]``'s. Zero-filled so a stale read can never be NaN (on a CPU:
+    fresh zero pages, each touched once).
 
     On a CPU every tensor is a view of one buffer asked for in huge pages before it is
     touched (:func:`advise_huge_pages`): a decode row reads a few cache lines per key from
@@ -90,76 +93,19 @@ def allocate_kv_cache(
     reads misses the TLB. Measured on 2 Zen 4 cores (benchmarks/README.md): attention alone
     over randomly placed blocks, 32 rows x 600 tokens, 100 -> 66 ms; whole engine steps on
     a shuffled pool 1.02-1.09x at 8-32 running, none on a fresh pool (blocks in order)."""
-    block = (block_size, config.num_key_value_heads // tp_size, config.head_dim)
-    counts = [num_blocks] * config.num_hidden_layers
-    if num_window_blocks is not None:
-        counts = [num_blocks if config.layer_window(i) is None else num_window_blocks
-                  for i in range(config.num_hidden_layers)]  # fmt: skip
-    if torch.device(device).type != "cpu":
-        return [
-            (torch.zeros((n, *block), dtype=dtype, device=device),
-             torch.zeros((n, *block), dtype=dtype, device=device))
-            for n in counts
-        ]  # fmt: skip
-    buf = _zero_pages(2 * sum(counts) * math.prod(block), dtype)
-    out, offset = [], 0
-    for n in counts:
-        size = n * math.prod(block)
-        k, v = buf[offset : offset + 2 * size].view(2, n, *block)
-        out.append((k, v))
-        offset += 2 * size
-    return out
-
-
-def hybrid_window(config: ModelConfig) -> int | None:
-    """The windowed layers' window where the other layers attend to everything (Gemma 3's
-    local layers): such a model's two layer groups get their own block pools
-    (engine/hybrid_kv_cache_manager.py). None: every layer reads one table."""
-    return config.sliding_window if config.uniform_window is None else None
-
-
-def pool_sizes(
-    config: ModelConfig,
-    cache_config: CacheConfig,
-    dtype: torch.dtype,
-    tp_size: int,
-    max_num_seqs: int,
-    max_chunk: int,
-) -> tuple[int, int | None]:
-    """(blocks of the full-attention layers' pool, blocks of the windowed layers' pool or
-    None where the model is not hybrid).
-
-    The window pool holds what ``max_num_seqs`` requests hold there at most (each at most
-    config.window_live_blocks in steps of ``max_chunk`` tokens), never more blocks than the
-    full pool; the rest of the memory budget goes to the full pool. With ``num_blocks`` given
-    it is the full pool's size."""
-    window = hybrid_window(config)
-    if window is None:
-        return num_blocks_for(config, cache_config, dtype, tp_size), None
-    plain = num_blocks_for(config, cache_config, dtype, tp_size)  # every layer in one pool
-    need = max_num_seqs * window_live_blocks(window, max_chunk, cache_config.block_size)
-    if cache_config.num_blocks is not None or need >= plain:
-        return plain, min(plain, need)
+    shape = (num_blocks, block_size, config.num_key_value_heads // tp_size, config.head_dim)
     layers = config.num_hidden_layers
-    windowed = sum(config.layer_window(i) is not None for i in range(layers))
-    per_layer = bytes_per_block(config, cache_config.block_size, dtype, tp_size) // layers
-    full = (cache_config.kv_cache_memory - need * windowed * per_layer) // (
-        (layers - windowed) * per_layer
-    )
-    return int(full), need
-
-
-def kv_cache_bytes(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int,
-    num_blocks: int, num_window_blocks: int | None,
-) -> int:  # fmt: skip
-    """The bytes of the pools (:func:`pool_sizes`) on one rank."""
-    per_layer = bytes_per_block(config, block_size, dtype, tp_size) // config.num_hidden_layers
-    if num_window_blocks is None:
-        return num_blocks * per_layer * config.num_hidden_layers
-    windowed = sum(config.layer_window(i) is not None for i in range(config.num_hidden_layers))
-    full = config.num_hidden_layers - windowed
-    return (num_blocks * full + num_window_blocks * windowed) * per_layer
+    slots = layers if groups is None else groups.size
+    if torch.device(device).type != "cpu":
+        pairs = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(slots)
+        ]  # fmt: skip
+    else:
+        buf = _zero_pages(slots * 2 * math.prod(shape), dtype).view(slots, 2, *shape)
+        pairs = [(buf[i, 0], buf[i, 1]) for i in range(slots)]
+    return pairs if groups is None else [pairs[groups.layer_slot[i]] for i in range(layers)]
 
 
 def _zero_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:

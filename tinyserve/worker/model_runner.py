@@ -16,6 +16,7 @@ import torch
 from tinyserve.kernels import ops
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from tinyserve.utils.kv_groups import kv_groups
 from tinyserve.worker.contention import ThreadGovernor
 from tinyserve.worker.kv_cache import allocate_kv_cache
 from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -34,8 +35,9 @@ class StepInput:
     seq_lens: list[int]
     block_tables: list[list[int]]
     num_decode_seqs: int = 0  # the first sequences, whose new tokens were generated
-    # A hybrid model's windowed layers' tables (ScheduledRequest.window_block_ids), or None.
-    window_block_tables: list[list[int]] | None = None
+    # A hybrid model's other layer groups' tables, [group - 1][sequence]
+    # (ScheduledRequest.group_block_ids), or None.
+    group_block_tables: list[list[list[int]]] | None = None
 
 
 class ModelRunner:
@@ -52,7 +54,6 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         kv_dtype: torch.dtype | None = None,
-        num_window_blocks: int | None = None,
     ) -> None:
         """``decode_graphs``: "capture" (CUDA graphs for pure-decode steps), "eager" (the
         same fixed-buffer path run without capturing: the CPU tests), or "off". ``kv_dtype``:
@@ -67,11 +68,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         graphs = decode_graphs != "off" and self.tp.size == 1  # (graphs hold no collectives)
         # The fixed-buffer decode path's padding rows write a scratch block past the real ones.
-        self.kv_caches = allocate_kv_cache(
-            self.config, num_blocks + int(graphs), block_size, kv_dtype or model.dtype, device,
-            tp_size=self.tp.size,
-            num_window_blocks=None if num_window_blocks is None else num_window_blocks + int(graphs),
-        )  # fmt: skip
+        # A hybrid model's layer groups share pages of groups.size layers (utils/kv_groups.py).
+        self.kv_groups = kv_groups(self.config)
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks + int(graphs), block_size,
+                                           kv_dtype or model.dtype, device,
+                                           tp_size=self.tp.size,
+                                           groups=self.kv_groups)  # fmt: skip
         self.sampler = Sampler()
         self.to_device = HostToDevice(device)
         # Fewer kernel threads while other processes take our cores (worker/contention.py).
@@ -83,7 +85,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, block_size, num_blocks, max_num_seqs,
                 max_model_len or self.config.max_position_embeddings, device,
-                capture=decode_graphs == "capture", window_scratch_block=num_window_blocks,
+                capture=decode_graphs == "capture",
+                num_groups=1 if self.kv_groups is None else self.kv_groups.num_groups,
             )  # fmt: skip
 
     @torch.inference_mode()
@@ -97,7 +100,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
-        window_tables: list[list[int]] = []  # a hybrid model's windowed layers'
+        group_tables: list[list[list[int]]] = []  # a hybrid model's other layer groups'
         logits_indices: list[int] = []
         sampling: list = []  # the requests that sample, in logits-row order
         scoring: list[PromptRows] = []  # prompt rows whose logprobs were asked for
@@ -118,15 +121,17 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             block_tables.append(item.block_ids)
-            if item.window_block_ids is not None:
-                window_tables.append(item.window_block_ids)
+            for g, table in enumerate(item.group_block_ids or ()):
+                if g == len(group_tables):
+                    group_tables.append([])
+                group_tables[g].append(table)
             if item.samples:
                 n = 1 + len(spec)  # one logits row per draft, and one after the last
                 logits_indices.extend(range(len(input_ids) - n, len(input_ids)))
                 sampling.append((req, spec))
                 decode_rows += 0 if prompt else n
         step = StepInput(input_ids, positions, query_lens, seq_lens, block_tables, num_decode_seqs,
-                         window_tables or None)  # fmt: skip
+                         group_tables or None)  # fmt: skip
         if not sampling:
             hidden = self.forward(step)
             return ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, scoring))
@@ -199,7 +204,7 @@ class ModelRunner:
         meta = self.model.attention_method.metadata(
             step.query_lens, step.seq_lens, step.block_tables, self.block_size, _HOST,
             self.model.dtype, step.num_decode_seqs, self.model.config.sliding_window,
-            step.window_block_tables,
+            step.group_block_tables,
         )  # fmt: skip
         ids = torch.tensor(step.input_ids, dtype=torch.int64)
         pos = torch.tensor(step.positions, dtype=torch.int64)

@@ -181,12 +181,11 @@ def worker_main(
     group = init_tp_group(rank, size, device, init_method)
     try:
         model, _ = load_shard(load, dtype, device, group)
-        sizes = group.broadcast()  # (num_blocks, num_window_blocks): Executor._build
-        if sizes is None:  # the driver failed to start
+        num_blocks = group.broadcast()
+        if num_blocks is None:  # the driver failed to start
             return
         kv_dtype = resolve_kv_cache_dtype(load.kv_cache_dtype, model)
-        runner = ModelRunner(model, sizes[0], cache.block_size, device, kv_dtype=kv_dtype,
-                             num_window_blocks=sizes[1])  # fmt: skip
+        runner = ModelRunner(model, num_blocks, cache.block_size, device, kv_dtype=kv_dtype)
         group.barrier()
         group.gather(numerics_path(model))  # the driver checks it is its own
         runner.serve_driver()

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.kernels.attention import paged_attention as kernel_attention
+from tinyserve.layers.block_tables import pad_tables
 from tinyserve.layers.decode_attention import decode_attention
 
 
@@ -217,8 +218,7 @@ class _StepTensors:
     @classmethod
     def build(cls, query_lens, seq_lens, block_tables, block_size, query_start_loc):
         max_blocks = max(-(-sl // block_size) for sl in seq_lens)
-        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int64)
+        tables = pad_tables(block_tables, max_blocks)  # padded with block 0 (masked out)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
         starts = torch.tensor(query_start_loc[:-1], dtype=torch.int64)

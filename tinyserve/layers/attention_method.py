@@ -23,6 +23,7 @@ import torch
 
 from tinyserve.kernels import ops
 from tinyserve.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from tinyserve.layers.block_tables import group_metadata
 from tinyserve.layers.rotary import apply_rotary
 
 
@@ -49,7 +50,9 @@ class AttentionMethod:
             )  # fmt: skip
 
         meta = build(block_tables, sliding_window)
-        if group_block_tables is not None:  # (full and windowed groups alike: masks for both)
+        if group_block_tables is not None and meta.kernel is not None:  # derived: cheaper
+            meta.group_metas = group_metadata(meta, group_block_tables)
+        elif group_block_tables is not None:  # (full and windowed groups alike: both masks)
             meta.group_metas = [build(tables, sliding_window) for tables in group_block_tables]
         return meta
 

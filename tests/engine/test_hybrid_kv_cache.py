@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from tests.support.engine import (
+    assert_like_hf,
     assert_no_leaks,
     greedy,
+    hf_greedy,
     random_prompt,
     run_alone,
     run_batch,
@@ -199,26 +201,6 @@ def gemma3(tmp_path_factory):
     return str(save_hf(hf, tmp_path_factory.mktemp("gemma3_hybrid"))), hf
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and each one's logprob (a sensitive check: this tiny
-    random model repeats a token for long stretches, whatever a corrupted cache does)."""
-    from tinyserve.testing.checkpoints import hf_logits
-
-    out: list[int] = []
-    lps: list[float] = []
-    for _ in range(n):
-        row = hf_logits(hf, prompt + out)[-1].double().log_softmax(-1)
-        out.append(int(row.argmax()))
-        lps.append(float(row[out[-1]]))
-    return out, lps
-
-
-def _check(done: dict, want: dict) -> None:
-    for rid, (tokens, lps) in want.items():
-        assert done[rid].token_ids == tokens, rid
-        assert [lp.logprob for lp in done[rid].logprobs] == pytest.approx(lps, abs=1e-3), rid
-
-
 def _held_blocks_each_step(engine, rid: str) -> list[tuple[int, ...]]:
     """Records the blocks ``rid`` holds in each step in each group and, once a step is
     scheduled and before it runs, fills every free block's K/V with random values: a block
@@ -256,7 +238,7 @@ def test_gemma3_serves_requests_one_table_could_not_hold(gemma3, kernels):
     greedy tokens."""
     path, hf = gemma3
     prompts = {f"r{i}": random_prompt(30, seed=60 + i) for i in range(3)}
-    want = {rid: _hf_greedy(hf, prompt, 40) for rid, prompt in prompts.items()}
+    want = {rid: hf_greedy(hf, prompt, 40) for rid, prompt in prompts.items()}
     requests = [(rid, prompt, greedy(40, logprobs=1)) for rid, prompt in prompts.items()]
     for caching in (False, True):
         engine = tiny_engine(path, num_blocks=40, block_size=4, max_num_batched_tokens=8,
@@ -268,9 +250,9 @@ def test_gemma3_serves_requests_one_table_could_not_hold(gemma3, kernels):
         assert engine.executor.kv_capacity_tokens == engine.max_model_len == 120
         if not caching:
             held = _held_blocks_each_step(engine, "r0")
-            _check(run_alone(engine, requests), want)
+            assert_like_hf(run_alone(engine, requests), want)
             assert held[-1][0] == 18 and max(max(h[1:]) for h in held) <= 5
-        _check(run_batch(engine, requests), want)
+        assert_like_hf(run_batch(engine, requests), want)
         assert engine.core.scheduler.num_preemptions > 0
         _assert_no_leaks(engine)
 
@@ -281,7 +263,7 @@ def test_gemma3_prefix_hits_over_evicted_window_blocks_keep_the_tokens(gemma3):
     path, hf = gemma3
     shared = random_prompt(24, seed=80)
     prompts = {f"s{i}": shared + random_prompt(6, seed=81 + i) for i in range(3)}
-    want = {rid: _hf_greedy(hf, prompt, 20) for rid, prompt in prompts.items()}
+    want = {rid: hf_greedy(hf, prompt, 20) for rid, prompt in prompts.items()}
     engine = tiny_engine(path, num_blocks=34, block_size=4, max_num_batched_tokens=8,
                          max_num_seqs=2)  # fmt: skip
     kv = engine.core.kv_cache_manager
@@ -291,7 +273,7 @@ def test_gemma3_prefix_hits_over_evicted_window_blocks_keep_the_tokens(gemma3):
     # blocks were taken again (left of query 24's window); the full group holds all six.
     assert num_hit_tokens == 24 and GONE in {b for hit in hits for b in hit[1:]}
     rest = run_alone(engine, [(rid, prompts[rid], greedy(20, logprobs=1)) for rid in ("s1", "s2")])
-    _check(first, {"s0": want["s0"]})
-    _check(rest, {rid: want[rid] for rid in ("s1", "s2")})
+    assert_like_hf(first, {"s0": want["s0"]})
+    assert_like_hf(rest, {rid: want[rid] for rid in ("s1", "s2")})
     assert rest["s1"].num_cached_tokens == 24
     _assert_no_leaks(engine)

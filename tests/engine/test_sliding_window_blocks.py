@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 
 from tests.support.engine import (
+    assert_like_hf,
     assert_no_leaks,
     greedy,
+    hf_greedy,
     random_prompt,
     run_alone,
     run_batch,
@@ -124,15 +126,6 @@ def mistral(tmp_path_factory):
     return str(save_hf(hf, tmp_path_factory.mktemp("mistral_window"))), hf
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    from tinyserve.testing.checkpoints import hf_logits
-
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(hf_logits(hf, prompt + out)[-1].argmax()))
-    return out
-
-
 def _held_blocks_each_step(engine, rid: str) -> list[int]:
     """Records the blocks ``rid`` holds in each step and, once each step is scheduled (its
     releases done) and before it runs, fills every free block's K/V with random values: a
@@ -160,14 +153,13 @@ def _held_blocks_each_step(engine, rid: str) -> list[int]:
 def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral, kernels):
     path, hf = mistral
     prompt = random_prompt(30, seed=3)
-    want = _hf_greedy(hf, prompt, 24)
+    want = hf_greedy(hf, prompt, 24)
     engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False,
                          cpu_kernels=kernels)  # fmt: skip
     assert engine.executor.model.attention_backend == ("kernel" if kernels else "torch")
     assert engine.core.kv_cache_manager.sliding_window == WINDOW
     held = _held_blocks_each_step(engine, "r")
-    got = run_alone(engine, [("r", prompt, greedy(24))])["r"].token_ids
-    assert got == want
+    assert_like_hf(run_alone(engine, [("r", prompt, greedy(24, logprobs=1))]), {"r": want})
     # The prompt's step holds its 8 blocks (its queries see from position 0); after it, of
     # the 14 blocks 54 positions fill, the window keeps at most 3 (6 keys + the new one).
     assert held[0] == 8 and max(held[1:]) <= 3 and len(held) == 24
@@ -230,18 +222,17 @@ def test_a_windowed_model_serves_past_the_kv_cache(mistral, kernels):
     short), with and without the prefix cache; nothing leaked."""
     path, hf = mistral
     prompts = {f"r{i}": random_prompt(30, seed=40 + i) for i in range(3)}
-    want = {rid: _hf_greedy(hf, prompt, 40) for rid, prompt in prompts.items()}
-    requests = [(rid, prompt, greedy(40)) for rid, prompt in prompts.items()]
+    want = {rid: hf_greedy(hf, prompt, 40) for rid, prompt in prompts.items()}
+    requests = [(rid, prompt, greedy(40, logprobs=1)) for rid, prompt in prompts.items()]
     for caching in (False, True):
         engine = tiny_engine(path, num_blocks=5, block_size=4, max_num_batched_tokens=8,
                              enable_prefix_caching=caching, cpu_kernels=kernels)  # fmt: skip
         assert engine.max_model_len == 512  # the model's, past the pool's 20 tokens
         if not caching:
             held = _held_blocks_each_step(engine, "r0")
-            alone = run_alone(engine, requests[:1])
-            assert alone["r0"].token_ids == want["r0"] and max(held) <= 5
-        done = run_batch(engine, requests)
-        assert {rid: done[rid].token_ids for rid in prompts} == want
+            assert_like_hf(run_alone(engine, requests[:1]), {"r0": want["r0"]})
+            assert max(held) <= 5
+        assert_like_hf(run_batch(engine, requests), want)
         assert engine.core.scheduler.num_preemptions > 0
         assert_no_leaks(engine)
 
@@ -346,5 +337,5 @@ def test_the_engine_hits_past_evicted_blocks_and_keeps_transformers_tokens(mistr
     assert kvm.GONE in hits and num_hit_tokens >= 24, (hits, num_hit_tokens)
     done = run_alone(engine, [("b", again, greedy(12))])
     assert done["b"].num_cached_tokens == num_hit_tokens
-    assert done["b"].token_ids == _hf_greedy(hf, again, 12)
+    assert done["b"].token_ids == hf_greedy(hf, again, 12)[0]
     assert_no_leaks(engine)

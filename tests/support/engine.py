@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from tinyserve.engine.arg_utils import EngineArgs
@@ -165,6 +166,28 @@ def run_alone(engine: LLMEngine, requests) -> Collector:
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens after ``prompt`` and each one's logprob (float64)."""
+    from tinyserve.testing.checkpoints import hf_logits
+
+    out: list[int] = []
+    lps: list[float] = []
+    for _ in range(n):
+        row = hf_logits(hf, prompt + out)[-1].double().log_softmax(-1)
+        out.append(int(row.argmax()))
+        lps.append(float(row[out[-1]]))
+    return out, lps
+
+
+def assert_like_hf(done: dict, want: dict, abs: float = 1e-3) -> None:
+    """Each request's tokens are transformers' and so are their logprobs (asked for with
+    ``logprobs=1``). Tokens alone are a weak check on a tiny random model, which repeats
+    one token for long stretches whatever a wrong cache read does to its logits."""
+    for rid, (tokens, lps) in want.items():
+        assert done[rid].token_ids == tokens, rid
+        assert [lp.logprob for lp in done[rid].logprobs] == pytest.approx(lps, abs=abs), rid
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:

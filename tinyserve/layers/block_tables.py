@@ -10,7 +10,7 @@ tables and the slots the new K/V go to differ.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import numpy as np
 import torch
@@ -28,17 +28,22 @@ def pad_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
 
 def group_metadata(meta, group_block_tables: list[list[list[int]]]) -> list:
     """The kernel path's metadata of layer groups 1, 2, ... (``group_block_tables[g - 1]``):
-    ``meta`` (group 0's, ``meta.kernel`` set) with each group's tables and slots."""
+    ``meta`` (group 0's, ``meta.kernel`` set) with each group's tables and slots, all groups'
+    converted and gathered at once (a step's cost, not a group's)."""
     k, bs = meta.kernel, meta.block_size
-    qsl = k.query_start_loc
-    rows = k.seq_of_token
+    qsl, rows = k.query_start_loc, k.seq_of_token
     positions = k.seq_lens[rows] - qsl[1:][rows] + torch.arange(len(rows), dtype=torch.int64)
-    blocks, offsets = positions // bs, positions % bs
+    num_seqs, width = k.block_tables.shape
+    tables = pad_tables([t for group in group_block_tables for t in group], width)
+    tables = tables.view(len(group_block_tables), num_seqs, width)
+    slots = tables[:, rows, positions // bs] * bs + positions % bs  # [groups, tokens]
+    tables32 = tables.to(torch.int32)
     out = []
-    for tables in group_block_tables:
-        padded = pad_tables(tables, k.block_tables.shape[1])
-        kernel = dataclasses.replace(k, block_tables=padded.to(torch.int32))
-        slots = padded[rows, blocks] * bs + offsets
-        out.append(dataclasses.replace(meta, slot_mapping=slots, block_tables=tables,
-                                       kernel=kernel, group_metas=None))  # fmt: skip
+    for g, block_tables in enumerate(group_block_tables):
+        kernel = copy.copy(k)
+        kernel.block_tables = tables32[g]
+        group = copy.copy(meta)
+        group.slot_mapping, group.block_tables, group.kernel = slots[g], block_tables, kernel
+        group.group_metas = None
+        out.append(group)
     return out

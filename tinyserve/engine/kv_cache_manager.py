@@ -1,8 +1,9 @@
 """KVCacheManager: the paged KV cache's bookkeeping (block ids, ref counts, prefix hashes).
 
 Plain Python, no torch: the K/V tensors live in the worker; this module only decides which
-block ids a request's tokens go to (for the one table every layer reads; a model mixing
-windowed and full layers has a second pool: engine/hybrid_kv_cache_manager.py).
+block ids a request's tokens go to, in the one table every layer reads (a model mixing
+windowed and full layers has a table per layer group over one shared pool: one manager per
+group, engine/hybrid_kv_cache_manager.py).
 
 Ownership:
 - A request holds one reference on every block of its block table, from ``allocate_slots``
@@ -59,7 +60,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        self.sliding_window = sliding_window  # every layer's (None: some layer sees all)
+        self.sliding_window = sliding_window  # its layers' (None: some layer sees all)
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -16,7 +16,8 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 
 @dataclass
 class KVCacheBlock:
-    """One block of ``block_size`` token slots in every layer's K/V tensors."""
+    """One block of ``block_size`` token slots in every layer's K/V tensors (a hybrid model's:
+    a page of one layer group's, utils/kv_groups.py)."""
 
     block_id: int
     ref_count: int = 0

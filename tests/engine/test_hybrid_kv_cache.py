@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.support.engine import (
+    Choice,
+    Collector,
     assert_like_hf,
     assert_no_leaks,
     greedy,
@@ -128,6 +130,28 @@ def test_an_allocation_takes_every_groups_blocks_or_none():
     assert _held(kv, "a") == 5 and kv.num_free_blocks == 12 - 5 - 2 * _held(kv.others[0], "a")
     live = window_live_blocks(WINDOW, 4, 4)  # 4: a window's 6 positions and a step's 4
     assert kv.blocks_to_hold(20, 4) == 5 + 2 * live and kv.blocks_to_hold(200, 4) == 50 + 2 * live
+
+
+def test_every_groups_hits_leave_the_free_queue_before_any_group_takes_a_block():
+    """A's freed blocks at the free queue's head, other blocks behind them: b's hits (a's
+    blocks, two per group) must all be taken out of the queue before any group takes its new
+    block from the head — else one group's new block is another group's hit, held twice."""
+    kv = HybridKVCacheManager(num_blocks=12, block_size=4, groups=TINY)
+    a, z = _request("a", range(8)), _request("z", range(50, 58))
+    _step(kv, a, 8)
+    kv.free("a")
+    _step(kv, z, 8)  # the 6 never-used blocks, freed behind a's
+    kv.free("z")
+    b = _request("b", list(range(8)) + [99, 98])
+    hits, num_hit_tokens = kv.get_computed_blocks(b)
+    assert num_hit_tokens == 8 and len(hits) == 2
+    b.num_computed_tokens = 8
+    _step(kv, b, 2, hits)
+    ids = [i for g in kv.groups for i in g.get_block_ids("b")]
+    assert len(ids) == len(set(ids)) == 9 and all(kv.blocks[i].ref_count == 1 for i in ids)
+    assert kv.num_free_blocks == 3
+    kv.free("b")
+    assert kv.num_free_blocks == 12
 
 
 def test_a_prefix_hit_is_the_run_every_group_holds():
@@ -276,4 +300,47 @@ def test_gemma3_prefix_hits_over_evicted_window_blocks_keep_the_tokens(gemma3):
     assert_like_hf(first, {"s0": want["s0"]})
     assert_like_hf(rest, {rid: want[rid] for rid in ("s1", "s2")})
     assert rest["s1"].num_cached_tokens == 24
+    _assert_no_leaks(engine)
+
+
+def test_gemma3_under_churn_keeps_every_token_and_leaks_nothing(gemma3):
+    """Twelve requests on a 30-page pool, four at a time, 8 tokens a step: shared prefixes
+    (hits, some over evicted window blocks), speculation (n-gram drafts on repetitive
+    prompts: slots taken and trimmed in every group), preemption, and three requests
+    aborted mid-way. Every request that finishes has the tokens of a roomy engine without
+    the prefix cache or drafts; the pool ends whole, every group's tables empty."""
+    import random
+
+    path, _ = gemma3
+    rng = random.Random(7)
+    shared = random_prompt(16, seed=100)
+    requests = []
+    for i in range(12):
+        body = random_prompt(rng.randrange(4, 20), seed=200 + i)
+        prompt = (shared if i % 2 else []) + body + body[:8]  # repeats: drafts find them
+        requests.append((f"q{i}", prompt, greedy(rng.randrange(8, 30))))
+    roomy = tiny_engine(path, num_blocks=400, block_size=4, enable_prefix_caching=False)
+    want = run_batch(roomy, requests)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "adaptive": False}  # fmt: skip
+    engine = tiny_engine(path, num_blocks=30, block_size=4, max_num_batched_tokens=8,
+                         max_num_seqs=4, speculative_config=spec)  # fmt: skip
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done, aborted = Collector(), {"q3", "q6", "q10"}
+    for step in range(3000):
+        if not engine.has_unfinished():
+            break
+        done.feed(engine.step())
+        if step in (5, 17, 40):
+            engine.abort(sorted(aborted)[(5, 17, 40).index(step)])
+    for rid, _, _ in requests:
+        if (
+            rid not in aborted
+            or done.choices.get(rid, {}).get(0, Choice()).finish_reason == "length"
+        ):
+            assert done[rid].token_ids == want[rid].token_ids, rid
+    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.proposer.stats.num_accepted_tokens > 0
+    assert engine.core.kv_cache_manager.prefix_cache_hits > 0
     _assert_no_leaks(engine)

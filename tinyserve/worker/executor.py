@@ -199,19 +199,19 @@ class Executor:
         """The start-up log line's model part."""
         return (
             f"{self.source.name} on {self.device} ({str(self.dtype).replace('torch.', '')}), "
-            f"KV cache {self.num_blocks} blocks x {self.block_size} = {self.kv_capacity_tokens} "
-            f"tokens{self._groups()} ({self.kv_cache_bytes / 2**20:.0f} MiB), "
-            f"max_model_len {self.max_model_len}"
+            f"KV cache {self.num_blocks} blocks x {self.block_size}{self._pool()} "
+            f"({self.kv_cache_bytes / 2**20:.0f} MiB), max_model_len {self.max_model_len}"
         )
 
-    def _groups(self) -> str:
+    def _pool(self) -> str:
         g = self.kv_groups
         if g is None:
-            return ""
+            return f" = {self.kv_capacity_tokens} tokens"
         windows = sum(w is not None for w in g.windows)
-        return (f" shared by {g.num_groups} layer groups of {g.size} layers ({windows} with "
-                f"window {self.model_config.sliding_window}; one request up to "
-                f"{self.kv_capacity_tokens} tokens)")  # fmt: skip
+        layers = f"{g.size} layer" + "s" * (g.size > 1)
+        return (f" tokens, pages of {layers} shared by {g.num_groups} layer groups "
+                f"({windows} with window {self.model_config.sliding_window}): one request "
+                f"up to {self.kv_capacity_tokens} tokens")  # fmt: skip
 
 
 def decode_graphs_mode(device: torch.device, tp_size: int, enforce_eager: bool) -> str:

@@ -93,6 +93,30 @@ def test_engine_tp2_greedy_equals_tp1(tiny_paths):
     assert all(not p.is_alive() for p in procs)  # close() let the workers exit
 
 
+def test_engine_tp2_serves_a_hybrid_model(tiny_paths, tmp_path):
+    """Gemma 3 with a 6-position window: a block table per layer group (every rank runs the
+    driver's broadcast tables, utils/kv_groups.py), windowed groups' blocks released past
+    the window: tokens and logprobs at TP=2 equal one process's."""
+    path = save_hf(build_hf(tiny_config("gemma3", sliding_window=6, num_attention_heads=8,
+                                        num_key_value_heads=4, intermediate_size=256),
+                            seed=6), tmp_path / "gemma3")  # fmt: skip
+    prompts = [random_tokens(n, seed=n) for n in (30, 21, 37)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    kw = dict(dtype="float32", device="cpu", load_tokenizer=False, block_size=4,
+              max_num_batched_tokens=8)  # fmt: skip
+
+    def run(**more):
+        with LLM(str(path), **kw, **more) as llm:
+            assert llm.engine.executor.kv_groups is not None
+            outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    want, got = run(), run(tensor_parallel_size=2)
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
+        assert tokens == want_tokens and lps == pytest.approx(want_lps, abs=1e-4)
+        assert len(lps) == 20
+
+
 def test_speculative_decoding_under_tensor_parallel(tiny_paths):
     """The driver drafts and verifies; the ranks run the broadcast batch with the drafts in
     it: greedy tokens at TP=2 with speculation equal one process without it."""

@@ -19,6 +19,8 @@ from tests.support.engine import (
     assert_no_leaks,
     greedy,
     hf_greedy,
+    kv_request,
+    kv_step,
     random_prompt,
     run_alone,
     run_batch,
@@ -27,25 +29,12 @@ from tests.support.engine import (
 from tinyserve.config import CacheConfig, ModelConfig, window_live_blocks
 from tinyserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from tinyserve.engine.kv_cache_manager import GONE, KVCacheManager
-from tinyserve.request import Request
-from tinyserve.sampling_params import SamplingParams
 from tinyserve.utils.kv_groups import KVGroups, kv_groups
 from tinyserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
 WINDOW = 6
 # The tiny Gemma 3's layers (sliding, full, sliding): groups of one layer, the full one first.
 TINY = KVGroups(size=1, layer_group=(1, 0, 2), layer_slot=(0, 0, 0), windows=(None, 6, 6))
-
-
-def _request(rid: str, tokens) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=32), max_model_len=128)
-
-
-def _step(kv, request: Request, num_new: int, hits=None) -> list[int]:
-    table = kv.allocate_slots(request, num_new, hits)
-    assert table is not None
-    request.num_computed_tokens += num_new
-    return table
 
 
 def _held(group: KVCacheManager, rid: str) -> int:
@@ -104,13 +93,13 @@ def test_a_block_is_a_page_of_one_group():
 def test_windowed_groups_release_what_the_full_group_keeps():
     kv = HybridKVCacheManager(num_blocks=32, block_size=4, groups=TINY)
     full, left, right = kv.groups
-    a = _request("a", range(20))
-    table = _step(kv, a, 20)  # the prompt's queries see from position 0: all kept
+    a = kv_request("a", range(20))
+    table = kv_step(kv, a, 20)  # the prompt's queries see from position 0: all kept
     assert len(table) == 5 and [len(t) for t in kv.group_block_ids("a")] == [5, 5]
     assert kv.num_free_blocks == 32 - 15
     for t in range(20, 26):  # query 25 sees 20 .. 25: 5 blocks left of it
         a.append_output_token(t)
-        table = _step(kv, a, 1)
+        table = kv_step(kv, a, 1)
     assert len(table) == 7 and _held(full, "a") == 7
     assert _held(left, "a") == _held(right, "a") == 2 and kv.num_free_blocks == 32 - 11
     ids = [b for g in kv.groups for b in g.get_block_ids("a")[g.num_dead_blocks("a") :]]
@@ -122,11 +111,11 @@ def test_windowed_groups_release_what_the_full_group_keeps():
 
 def test_an_allocation_takes_every_groups_blocks_or_none():
     kv = HybridKVCacheManager(num_blocks=12, block_size=4, groups=TINY)
-    a = _request("a", range(20))
+    a = kv_request("a", range(20))
     assert kv.allocate_slots(a, 20) is None  # 3 groups x 5 blocks: 15 of 12
     assert kv.num_free_blocks == 12 and not any(g.req_to_blocks for g in kv.groups)
     for _ in range(5):  # 4 tokens a step: the window's and a step's blocks fit
-        _step(kv, a, 4)
+        kv_step(kv, a, 4)
     assert _held(kv, "a") == 5 and kv.num_free_blocks == 12 - 5 - 2 * _held(kv.others[0], "a")
     live = window_live_blocks(WINDOW, 4, 4)  # 4: a window's 6 positions and a step's 4
     assert kv.blocks_to_hold(20, 4) == 5 + 2 * live and kv.blocks_to_hold(200, 4) == 50 + 2 * live
@@ -137,16 +126,16 @@ def test_every_groups_hits_leave_the_free_queue_before_any_group_takes_a_block()
     blocks, two per group) must all be taken out of the queue before any group takes its new
     block from the head — else one group's new block is another group's hit, held twice."""
     kv = HybridKVCacheManager(num_blocks=12, block_size=4, groups=TINY)
-    a, z = _request("a", range(8)), _request("z", range(50, 58))
-    _step(kv, a, 8)
+    a, z = kv_request("a", range(8)), kv_request("z", range(50, 58))
+    kv_step(kv, a, 8)
     kv.free("a")
-    _step(kv, z, 8)  # the 6 never-used blocks, freed behind a's
+    kv_step(kv, z, 8)  # the 6 never-used blocks, freed behind a's
     kv.free("z")
-    b = _request("b", list(range(8)) + [99, 98])
+    b = kv_request("b", list(range(8)) + [99, 98])
     hits, num_hit_tokens = kv.get_computed_blocks(b)
     assert num_hit_tokens == 8 and len(hits) == 2
     b.num_computed_tokens = 8
-    _step(kv, b, 2, hits)
+    kv_step(kv, b, 2, hits)
     ids = [i for g in kv.groups for i in g.get_block_ids("b")]
     assert len(ids) == len(set(ids)) == 9 and all(kv.blocks[i].ref_count == 1 for i in ids)
     assert kv.num_free_blocks == 3
@@ -159,12 +148,12 @@ def test_a_prefix_hit_is_the_run_every_group_holds():
     windowed groups' first ones (released early) go first, and the hit passes over them
     left of the window; once the full group's first block goes, there is no hit at all."""
     kv = HybridKVCacheManager(num_blocks=24, block_size=4, groups=TINY)
-    a = _request("a", range(20))
+    a = kv_request("a", range(20))
     for _ in range(5):
-        _step(kv, a, 4)
+        kv_step(kv, a, 4)
     tables = [g.get_block_ids("a") for g in kv.groups]
     kv.free("a")
-    b = _request("b", list(range(20)) + [99, 98])
+    b = kv_request("b", list(range(20)) + [99, 98])
     assert kv.get_computed_blocks(b) == (list(zip(*tables, strict=True)), 20)
     expected = [
         (list(zip(*tables, strict=True)), 20),
@@ -179,14 +168,14 @@ def test_a_prefix_hit_is_the_run_every_group_holds():
         ([], 0),  # the full group's first block was taken
     ]
     for i, want in enumerate(expected):
-        z = _request(f"z{i}", range(100 + 8 * i, 108 + 8 * i))
-        _step(kv, z, 8)  # 6 blocks from the free queue's head
+        z = kv_request(f"z{i}", range(100 + 8 * i, 108 + 8 * i))
+        kv_step(kv, z, 8)  # 6 blocks from the free queue's head
         kv.free(z.request_id)
         assert kv.get_computed_blocks(b) == want, i
     hits, num_hit_tokens = expected[1]
     b.num_computed_tokens = num_hit_tokens
     kv.reset_prefix_cache()
-    c = _request("c", list(range(20)) + [1, 2])
+    c = kv_request("c", list(range(20)) + [1, 2])
     assert kv.get_computed_blocks(c) == ([], 0)
     kv.free("b")
     assert kv.num_free_blocks == 24
@@ -194,19 +183,19 @@ def test_a_prefix_hit_is_the_run_every_group_holds():
 
 def test_evicted_window_hits_enter_dead_and_the_tokens_go_on():
     kv = HybridKVCacheManager(num_blocks=24, block_size=4, groups=TINY)
-    a = _request("a", range(20))
+    a = kv_request("a", range(20))
     for _ in range(5):
-        _step(kv, a, 4)
+        kv_step(kv, a, 4)
     kv.free("a")
     for i in range(2):
-        z = _request(f"z{i}", range(100 + 8 * i, 108 + 8 * i))
-        _step(kv, z, 8)
+        z = kv_request(f"z{i}", range(100 + 8 * i, 108 + 8 * i))
+        kv_step(kv, z, 8)
         kv.free(z.request_id)
-    b = _request("b", list(range(20)) + [99, 98])
+    b = kv_request("b", list(range(20)) + [99, 98])
     hits, num_hit_tokens = kv.get_computed_blocks(b)
     assert num_hit_tokens == 20 and GONE in hits[0]
     b.num_computed_tokens = num_hit_tokens
-    _step(kv, b, 2, hits)  # hits left of query 20's window enter dead (GONE: block 0 stands)
+    kv_step(kv, b, 2, hits)  # hits left of query 20's window enter dead (GONE: block 0 stands)
     full, left, right = kv.groups
     assert full.num_dead_blocks("b") == 0 and left.num_dead_blocks("b") == 3
     assert _held(full, "b") == 6 and _held(left, "b") == _held(right, "b") == 3
@@ -292,7 +281,7 @@ def test_gemma3_prefix_hits_over_evicted_window_blocks_keep_the_tokens(gemma3):
                          max_num_seqs=2)  # fmt: skip
     kv = engine.core.kv_cache_manager
     first = run_alone(engine, [("s0", prompts["s0"], greedy(20, logprobs=1))])
-    hits, num_hit_tokens = kv.get_computed_blocks(_request("probe", prompts["s1"]))
+    hits, num_hit_tokens = kv.get_computed_blocks(kv_request("probe", prompts["s1"]))
     # s0's 50 tokens took 13 + 2 x 13 ids from a pool of 34: its windowed groups' first
     # blocks were taken again (left of query 24's window); the full group holds all six.
     assert num_hit_tokens == 24 and GONE in {b for hit in hits for b in hit[1:]}

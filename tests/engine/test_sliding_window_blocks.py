@@ -15,6 +15,8 @@ from tests.support.engine import (
     assert_no_leaks,
     greedy,
     hf_greedy,
+    kv_request,
+    kv_step,
     random_prompt,
     run_alone,
     run_batch,
@@ -22,36 +24,23 @@ from tests.support.engine import (
 )
 from tinyserve.engine import kv_cache_manager as kvm
 from tinyserve.engine.kv_cache_manager import KVCacheManager
-from tinyserve.request import Request
-from tinyserve.sampling_params import SamplingParams
 
 WINDOW = 6
 
 
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=32), max_model_len=128)
-
-
-def _step(kv: KVCacheManager, request: Request, num_new: int, hits=None) -> list[int]:
-    table = kv.allocate_slots(request, num_new, hits)
-    assert table is not None
-    request.num_computed_tokens += num_new
-    return table
-
-
 def test_blocks_left_of_every_later_window_are_released_once():
     kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=WINDOW)
-    a = _request("a", list(range(20)))
-    table = _step(kv, a, 20)  # the prompt's queries see from position 0: all kept
+    a = kv_request("a", list(range(20)))
+    table = kv_step(kv, a, 20)  # the prompt's queries see from position 0: all kept
     assert kv.num_dead_blocks("a") == 0 and kv.num_free_blocks == 11
     a.append_output_token(20)
-    table = _step(kv, a, 1)  # query 20 sees 15 .. 20: blocks 0-2 (0 .. 11) are left of it
+    table = kv_step(kv, a, 1)  # query 20 sees 15 .. 20: blocks 0-2 (0 .. 11) are left of it
     assert kv.num_dead_blocks("a") == 3 and kv.num_free_blocks == 16 - 3
     assert [kv.blocks[b].ref_count for b in table] == [0, 0, 0, 1, 1, 1]
     assert kv.pool_map().count("u") == 3 and kv.get_block_ids("a") == table
     for t in range(21, 26):  # queries 21 .. 25: at 25 (sees 20 ..) blocks 3-4 go too
         a.append_output_token(t)
-        table = _step(kv, a, 1)
+        table = kv_step(kv, a, 1)
     assert kv.num_dead_blocks("a") == 5 and len(table) == 7
     assert kv.num_free_blocks == 16 - 2  # blocks 5, 6 (positions 20-27) held
     kv.free("a")
@@ -61,16 +50,16 @@ def test_blocks_left_of_every_later_window_are_released_once():
 
 def test_released_blocks_stay_in_the_prefix_cache():
     kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=WINDOW)
-    a = _request("a", list(range(20)))
-    _step(kv, a, 20)
+    a = kv_request("a", list(range(20)))
+    kv_step(kv, a, 20)
     a.append_output_token(20)
-    _step(kv, a, 1)
+    kv_step(kv, a, 1)
     assert kv.num_dead_blocks("a") == 3
-    b = _request("b", list(range(16)) + [99, 98])
+    b = kv_request("b", list(range(16)) + [99, 98])
     hits, num_hit_tokens = kv.get_computed_blocks(b)  # 3 released blocks and a held one
     assert num_hit_tokens == 16 and hits == kv.get_block_ids("a")[:4]
     b.num_computed_tokens = num_hit_tokens
-    _step(kv, b, 2, hits)  # the hits left of query 16's window enter dead, untaken
+    kv_step(kv, b, 2, hits)  # the hits left of query 16's window enter dead, untaken
     assert kv.num_dead_blocks("b") == 2
     assert [kv.blocks[h].ref_count for h in hits] == [0, 0, 1, 2]
     kv.free("a"), kv.free("b")
@@ -85,18 +74,18 @@ def test_hits_left_of_the_window_are_never_taken():
     kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
     assert kv.blocks_to_hold(100, 8) == 5 and kv.blocks_to_hold(10, 8) == 3
     assert KVCacheManager(num_blocks=6, block_size=4).blocks_to_hold(100, 8) == 25
-    a = _request("a", list(range(20)))
+    a = kv_request("a", list(range(20)))
     held = []
     for _ in range(5):
-        _step(kv, a, 4)
+        kv_step(kv, a, 4)
         held.append(5 - kv.num_free_blocks)
     assert held == [1, 2, 3, 3, 3] and kv.num_dead_blocks("a") == 2
     kv.free("a")
-    b = _request("b", list(range(22)))
+    b = kv_request("b", list(range(22)))
     hits, num_hit_tokens = kv.get_computed_blocks(b)
     assert num_hit_tokens == 20 and len(hits) == 5
     b.num_computed_tokens = num_hit_tokens
-    table = _step(kv, b, 2, hits)
+    table = kv_step(kv, b, 2, hits)
     assert table[:5] == hits and kv.num_dead_blocks("b") == 3
     # The live hits and the new block are held; the new one may reuse a dead entry's block
     # (whose values the window never reads).
@@ -109,7 +98,7 @@ def test_hits_left_of_the_window_are_never_taken():
 
 def test_without_a_window_on_every_layer_nothing_is_released():
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    _step(kv, _request("a", list(range(20))), 20)
+    kv_step(kv, kv_request("a", list(range(20))), 20)
     assert kv.num_dead_blocks("a") == 0 and kv.num_free_blocks == 11
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         KVCacheManager(num_blocks=4, block_size=4, sliding_window=0)
@@ -255,12 +244,12 @@ def _evicted_prefix(kv: KVCacheManager) -> None:
     """In a 5-block pool request "a" computes 20 tokens, 4 a step, in blocks 0-4 (window 6:
     0 and 1 released on the way, the rest at its end, tail first); "c" (8 tokens) then takes
     the free queue's head, a's blocks 0 and 1: evicted."""
-    a = _request("a", list(range(20)))
+    a = kv_request("a", list(range(20)))
     for _ in range(5):
-        table = _step(kv, a, 4)
+        table = kv_step(kv, a, 4)
     assert table == [0, 1, 2, 3, 4]
     kv.free("a")
-    assert _step(kv, _request("c", list(range(100, 108))), 8) == [0, 1]
+    assert kv_step(kv, kv_request("c", list(range(100, 108))), 8) == [0, 1]
     assert kv.blocks[1].token_ids == (104, 105, 106, 107)  # c's now
     assert kv.blocks[2].token_ids == (8, 9, 10, 11)  # still a's
 
@@ -272,19 +261,19 @@ def test_a_hit_passes_over_evicted_blocks_left_of_its_window():
     request hits 24 tokens past 4 evicted blocks; nothing leaks."""
     kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
     _evicted_prefix(kv)
-    b = _request("b", list(range(22)))
+    b = kv_request("b", list(range(22)))
     hits, num_hit_tokens = kv.get_computed_blocks(b)
     assert num_hit_tokens == 20 and hits == [kvm.GONE, kvm.GONE, 2, 3, 4]
     b.num_computed_tokens = num_hit_tokens
-    table = _step(kv, b, 2, hits)
+    table = kv_step(kv, b, 2, hits)
     assert table == [0, 0, 2, 3, 4, 2] and kv.num_dead_blocks("b") == 3  # block 2 reused
     assert [kv.blocks[i].ref_count for i in (3, 4, 2)] == [1, 1, 1]
     for t in range(22, 25):
         b.append_output_token(t)
-        _step(kv, b, 1)
+        kv_step(kv, b, 1)
     # Query 24 left block 3 behind (released, then taken for b's seventh block: evicted).
     assert kv.get_block_ids("b") == [0, 0, 2, 3, 4, 2, 3]
-    hits, num_hit_tokens = kv.get_computed_blocks(_request("b2", list(range(24)) + [7]))
+    hits, num_hit_tokens = kv.get_computed_blocks(kv_request("b2", list(range(24)) + [7]))
     assert num_hit_tokens == 24 and hits == [kvm.GONE] * 4 + [4, 2]
     kv.free("b"), kv.free("c")
     assert kv.num_free_blocks == 5 and all(blk.ref_count == 0 for blk in kv.blocks)
@@ -296,9 +285,9 @@ def test_an_evicted_block_is_passed_over_only_left_of_the_window():
     block differs misses everything after it, evicted or not."""
     kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
     _evicted_prefix(kv)
-    assert kv.get_computed_blocks(_request("short", list(range(14)))) == ([], 0)
+    assert kv.get_computed_blocks(kv_request("short", list(range(14)))) == ([], 0)
     other = [99, 98, 97, 96] + list(range(4, 22))
-    assert kv.get_computed_blocks(_request("other", other)) == ([], 0)
+    assert kv.get_computed_blocks(kv_request("other", other)) == ([], 0)
 
 
 def test_a_collision_with_an_evicted_block_is_a_miss(monkeypatch):
@@ -309,16 +298,16 @@ def test_a_collision_with_an_evicted_block_is_a_miss(monkeypatch):
     kv = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW)
     _evicted_prefix(kv)
     assert hash((4, 5, 6, 7)) in kv._ghosts
-    assert kv.get_computed_blocks(_request("other", list(range(4, 26)))) == ([], 0)
+    assert kv.get_computed_blocks(kv_request("other", list(range(4, 26)))) == ([], 0)
 
 
 def test_without_a_window_evicted_blocks_leave_no_ghosts():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    _step(kv, _request("a", list(range(16))), 16)
+    kv_step(kv, kv_request("a", list(range(16))), 16)
     kv.free("a")
-    _step(kv, _request("c", list(range(100, 116))), 16)
+    kv_step(kv, kv_request("c", list(range(100, 116))), 16)
     assert not kv._ghosts
-    assert kv.get_computed_blocks(_request("b", list(range(18)))) == ([], 0)
+    assert kv.get_computed_blocks(kv_request("b", list(range(18)))) == ([], 0)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
@@ -333,7 +322,7 @@ def test_the_engine_hits_past_evicted_blocks_and_keeps_transformers_tokens(mistr
     run_alone(engine, [("a", prompt, greedy(4)), ("c", random_prompt(12, seed=61), greedy(2))])
     kv = engine.core.kv_cache_manager
     again = prompt + random_prompt(3, seed=62)
-    hits, num_hit_tokens = kv.get_computed_blocks(_request("probe", again))
+    hits, num_hit_tokens = kv.get_computed_blocks(kv_request("probe", again))
     assert kvm.GONE in hits and num_hit_tokens >= 24, (hits, num_hit_tokens)
     done = run_alone(engine, [("b", again, greedy(12))])
     assert done["b"].num_cached_tokens == num_hit_tokens

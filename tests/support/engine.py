@@ -16,6 +16,7 @@ import torch
 
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.llm_engine import LLMEngine
+from tinyserve.request import Request
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.worker.executor import Executor
 
@@ -166,6 +167,20 @@ def run_alone(engine: LLMEngine, requests) -> Collector:
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def kv_request(rid: str, tokens) -> Request:
+    """A request for driving a KV-cache manager directly (no engine)."""
+    return Request(rid, list(tokens), SamplingParams(max_tokens=32), max_model_len=128)
+
+
+def kv_step(kv, request: Request, num_new: int, hits=None) -> list[int]:
+    """One step of ``request`` through the manager ``kv``: its slots allocated (they must
+    fit) and its tokens counted as computed. Returns the (group 0) block table."""
+    table = kv.allocate_slots(request, num_new, hits)
+    assert table is not None
+    request.num_computed_tokens += num_new
+    return table
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

@@ -83,15 +83,6 @@ class HybridKVCacheManager(KVCacheManager):
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
         return [group.get_block_ids(request_id) for group in self.others]
 
-    def pool_map(self) -> str:
-        """As KVCacheManager's, with every group's held blocks."""
-        chars = bytearray(super().pool_map(), "ascii")
-        for group in self.others:
-            for rid, table in group.req_to_blocks.items():
-                for block_id in table[group.num_dead_blocks(rid) :]:
-                    chars[block_id] = 115 if self.blocks[block_id].ref_count > 1 else 117
-        return chars.decode("ascii")
-
     def free(self, request_id: str) -> None:
         for group in self.groups:
             KVCacheManager.free(group, request_id)

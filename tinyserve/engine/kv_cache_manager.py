@@ -1,9 +1,8 @@
 """KVCacheManager: the paged KV cache's bookkeeping (block ids, ref counts, prefix hashes).
 
 Plain Python, no torch: the K/V tensors live in the worker; this module only decides which
-block ids a request's tokens go to, in the one table every layer reads (a model mixing
-windowed and full layers has a table per layer group over one shared pool: one manager per
-group, engine/hybrid_kv_cache_manager.py).
+block ids a request's tokens go to, in the one table every layer reads (a hybrid model: one
+manager per layer group over a shared pool, engine/hybrid_kv_cache_manager.py).
 
 Ownership:
 - A request holds one reference on every block of its block table, from ``allocate_slots``
@@ -130,11 +129,15 @@ class KVCacheManager:
         chars = bytearray(b"." * self.num_total_blocks)
         for block_id in self.cached_block_hash_to_block.values():
             chars[block_id] = 99  # 'c'; a cached block someone holds is overwritten below
-        blocks = self.blocks
-        for request_id, table in self.req_to_blocks.items():
-            for block_id in table[self.num_dead_blocks(request_id) :]:
-                chars[block_id] = 115 if blocks[block_id].ref_count > 1 else 117  # 's' / 'u'
-        return chars.decode("ascii")
+        for group in self.groups:  # (a hybrid model's layer groups share the pool)
+            for request_id, table in group.req_to_blocks.items():
+                for block_id in table[group.num_dead_blocks(request_id) :]:
+                    chars[block_id] = 115 if self.blocks[block_id].ref_count > 1 else 117
+        return chars.decode("ascii")  # ('s' / 'u')
+
+    @property
+    def groups(self) -> list[KVCacheManager]:
+        return [self]  # the managers sharing this pool (hybrid_kv_cache_manager.py: more)
 
     # -- prefix cache ------------------------------------------------------------------------
 
@@ -281,9 +284,7 @@ class KVCacheManager:
         return list(table)
 
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
-        """The block tables of a hybrid model's other layer groups
-        (engine/hybrid_kv_cache_manager.py); here None, every layer reads one table."""
-        return None
+        return None  # a hybrid model's other layer groups' tables; here every layer reads one
 
     def free(self, request_id: str) -> None:
         """Drop the request's references. Tail first, so a prefix's tail is evicted before

@@ -18,6 +18,8 @@ from tests.support.engine import (
     assert_like_hf,
     assert_no_leaks,
     greedy,
+    held_blocks,
+    held_blocks_each_step,
     hf_greedy,
     kv_request,
     kv_step,
@@ -28,17 +30,13 @@ from tests.support.engine import (
 )
 from tinyserve.config import CacheConfig, ModelConfig, window_live_blocks
 from tinyserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
-from tinyserve.engine.kv_cache_manager import GONE, KVCacheManager
+from tinyserve.engine.kv_cache_manager import GONE
 from tinyserve.utils.kv_groups import KVGroups, kv_groups
 from tinyserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 
 WINDOW = 6
 # The tiny Gemma 3's layers (sliding, full, sliding): groups of one layer, the full one first.
 TINY = KVGroups(size=1, layer_group=(1, 0, 2), layer_slot=(0, 0, 0), windows=(None, 6, 6))
-
-
-def _held(group: KVCacheManager, rid: str) -> int:
-    return len(group.get_block_ids(rid)) - group.num_dead_blocks(rid)
 
 
 def _gemma3_config(**over) -> ModelConfig:
@@ -100,8 +98,8 @@ def test_windowed_groups_release_what_the_full_group_keeps():
     for t in range(20, 26):  # query 25 sees 20 .. 25: 5 blocks left of it
         a.append_output_token(t)
         table = kv_step(kv, a, 1)
-    assert len(table) == 7 and _held(full, "a") == 7
-    assert _held(left, "a") == _held(right, "a") == 2 and kv.num_free_blocks == 32 - 11
+    assert len(table) == 7 and held_blocks(full, "a") == 7
+    assert held_blocks(left, "a") == held_blocks(right, "a") == 2 and kv.num_free_blocks == 32 - 11
     ids = [b for g in kv.groups for b in g.get_block_ids("a")[g.num_dead_blocks("a") :]]
     assert len(set(ids)) == 11 and kv.pool_map().count("u") == 11  # one pool, no id twice
     kv.free("a")
@@ -116,7 +114,9 @@ def test_an_allocation_takes_every_groups_blocks_or_none():
     assert kv.num_free_blocks == 12 and not any(g.req_to_blocks for g in kv.groups)
     for _ in range(5):  # 4 tokens a step: the window's and a step's blocks fit
         kv_step(kv, a, 4)
-    assert _held(kv, "a") == 5 and kv.num_free_blocks == 12 - 5 - 2 * _held(kv.others[0], "a")
+    assert held_blocks(kv, "a") == 5 and kv.num_free_blocks == 12 - 5 - 2 * held_blocks(
+        kv.others[0], "a"
+    )
     live = window_live_blocks(WINDOW, 4, 4)  # 4: a window's 6 positions and a step's 4
     assert kv.blocks_to_hold(20, 4) == 5 + 2 * live and kv.blocks_to_hold(200, 4) == 50 + 2 * live
 
@@ -198,7 +198,7 @@ def test_evicted_window_hits_enter_dead_and_the_tokens_go_on():
     kv_step(kv, b, 2, hits)  # hits left of query 20's window enter dead (GONE: block 0 stands)
     full, left, right = kv.groups
     assert full.num_dead_blocks("b") == 0 and left.num_dead_blocks("b") == 3
-    assert _held(full, "b") == 6 and _held(left, "b") == _held(right, "b") == 3
+    assert held_blocks(full, "b") == 6 and held_blocks(left, "b") == held_blocks(right, "b") == 3
     kv.free("b")
     assert kv.num_free_blocks == 24 and all(blk.ref_count == 0 for blk in kv.blocks)
 
@@ -212,27 +212,6 @@ def gemma3(tmp_path_factory):
 
     hf = build_hf(tiny_config("gemma3", sliding_window=WINDOW, initializer_range=0.5))
     return str(save_hf(hf, tmp_path_factory.mktemp("gemma3_hybrid"))), hf
-
-
-def _held_blocks_each_step(engine, rid: str) -> list[tuple[int, ...]]:
-    """Records the blocks ``rid`` holds in each step in each group and, once a step is
-    scheduled and before it runs, fills every free block's K/V with random values: a block
-    released while a query still reads it would change the tokens (prefix caching off: a
-    free block is never read again)."""
-    kv, sched, seen = engine.core.kv_cache_manager, engine.core.scheduler, []
-    schedule, gen = sched.schedule, torch.Generator().manual_seed(0)
-
-    def scribbling_schedule():
-        out = schedule()
-        if rid in kv.req_to_blocks:
-            seen.append(tuple(_held(group, rid) for group in kv.groups))
-        free = torch.tensor(kv.free_block_ids, dtype=torch.int64)
-        for cache in {id(c): c for pair in engine.executor.runner.kv_caches for c in pair}.values():
-            cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
-        return out
-
-    sched.schedule = scribbling_schedule
-    return seen
 
 
 def _assert_no_leaks(engine) -> None:
@@ -262,7 +241,7 @@ def test_gemma3_serves_requests_one_table_could_not_hold(gemma3, kernels):
         # The longest request: 30 full-group ids and 5 in each windowed group, 120 tokens.
         assert engine.executor.kv_capacity_tokens == engine.max_model_len == 120
         if not caching:
-            held = _held_blocks_each_step(engine, "r0")
+            held = held_blocks_each_step(engine, "r0")
             assert_like_hf(run_alone(engine, requests), want)
             assert held[-1][0] == 18 and max(max(h[1:]) for h in held) <= 5
         assert_like_hf(run_batch(engine, requests), want)

@@ -14,6 +14,7 @@ from tests.support.engine import (
     assert_like_hf,
     assert_no_leaks,
     greedy,
+    held_blocks_each_step,
     hf_greedy,
     kv_request,
     kv_step,
@@ -115,29 +116,6 @@ def mistral(tmp_path_factory):
     return str(save_hf(hf, tmp_path_factory.mktemp("mistral_window"))), hf
 
 
-def _held_blocks_each_step(engine, rid: str) -> list[int]:
-    """Records the blocks ``rid`` holds in each step and, once each step is scheduled (its
-    releases done) and before it runs, fills every free block's K/V with random values: a
-    block released while one of the step's queries still reads it would change the tokens
-    (prefix caching off: a free block is never read again)."""
-    import torch
-
-    kv, sched, seen = engine.core.kv_cache_manager, engine.core.scheduler, []
-    schedule, gen = sched.schedule, torch.Generator().manual_seed(0)
-
-    def scribbling_schedule():
-        out = schedule()
-        if rid in kv.req_to_blocks:
-            seen.append(len(kv.get_block_ids(rid)) - kv.num_dead_blocks(rid))
-        free = torch.tensor(kv.free_block_ids, dtype=torch.int64)
-        for cache in (c for pair in engine.executor.runner.kv_caches for c in pair):
-            cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
-        return out
-
-    sched.schedule = scribbling_schedule
-    return seen
-
-
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
 def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral, kernels):
     path, hf = mistral
@@ -147,11 +125,11 @@ def test_the_engine_releases_blocks_and_keeps_transformers_tokens(mistral, kerne
                          cpu_kernels=kernels)  # fmt: skip
     assert engine.executor.model.attention_backend == ("kernel" if kernels else "torch")
     assert engine.core.kv_cache_manager.sliding_window == WINDOW
-    held = _held_blocks_each_step(engine, "r")
+    held = held_blocks_each_step(engine, "r")
     assert_like_hf(run_alone(engine, [("r", prompt, greedy(24, logprobs=1))]), {"r": want})
     # The prompt's step holds its 8 blocks (its queries see from position 0); after it, of
     # the 14 blocks 54 positions fill, the window keeps at most 3 (6 keys + the new one).
-    assert held[0] == 8 and max(held[1:]) <= 3 and len(held) == 24
+    assert held[0] == (8,) and max(h for (h,) in held[1:]) <= 3 and len(held) == 24
     assert_no_leaks(engine)
 
 
@@ -194,7 +172,7 @@ def test_speculative_verification_past_the_window_keeps_the_tokens(mistral):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     engine = tiny_engine(path, num_blocks=64, block_size=4, enable_prefix_caching=False,
                          speculative_config=spec)  # fmt: skip
-    _held_blocks_each_step(engine, "r0")
+    held_blocks_each_step(engine, "r0")
     done = run_alone(engine, requests)
     for rid in prompts:
         assert done[rid].token_ids == plain[rid].token_ids, rid
@@ -218,9 +196,9 @@ def test_a_windowed_model_serves_past_the_kv_cache(mistral, kernels):
                              enable_prefix_caching=caching, cpu_kernels=kernels)  # fmt: skip
         assert engine.max_model_len == 512  # the model's, past the pool's 20 tokens
         if not caching:
-            held = _held_blocks_each_step(engine, "r0")
+            held = held_blocks_each_step(engine, "r0")
             assert_like_hf(run_alone(engine, requests[:1]), {"r0": want["r0"]})
-            assert max(held) <= 5
+            assert max(h for (h,) in held) <= 5
         assert_like_hf(run_batch(engine, requests), want)
         assert engine.core.scheduler.num_preemptions > 0
         assert_no_leaks(engine)

@@ -183,6 +183,35 @@ def kv_step(kv, request: Request, num_new: int, hits=None) -> list[int]:
     return table
 
 
+def held_blocks(manager, request_id: str) -> int:
+    """The blocks a manager (or one layer group's) holds for a request: its table less the
+    entries released left of the window."""
+    return len(manager.get_block_ids(request_id)) - manager.num_dead_blocks(request_id)
+
+
+def held_blocks_each_step(engine: LLMEngine, rid: str) -> list[tuple[int, ...]]:
+    """Records the blocks ``rid`` holds in each step, one count per layer group (one group
+    but for hybrid models), and, once each step is scheduled (its releases done) and before
+    it runs, fills every free block's K/V with random values: a block released while one of
+    the step's queries still reads it would change the tokens (prefix caching off: a free
+    block is never read again). The groups share one pool, so one free list serves all."""
+    kv, sched, seen = engine.core.kv_cache_manager, engine.core.scheduler, []
+    schedule, gen = sched.schedule, torch.Generator().manual_seed(0)
+    caches = {id(c): c for pair in engine.executor.runner.kv_caches for c in pair}.values()
+
+    def scribbling_schedule():
+        out = schedule()
+        if rid in kv.req_to_blocks:
+            seen.append(tuple(held_blocks(group, rid) for group in kv.groups))
+        free = torch.tensor(kv.free_block_ids, dtype=torch.int64)
+        for cache in caches:
+            cache[free] = torch.randn(cache[free].shape, generator=gen) * 10
+        return out
+
+    sched.schedule = scribbling_schedule
+    return seen
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens after ``prompt`` and each one's logprob (float64)."""
     from tinyserve.testing.checkpoints import hf_logits

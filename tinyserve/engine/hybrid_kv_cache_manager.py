@@ -90,9 +90,3 @@ class HybridKVCacheManager(KVCacheManager):
     def trim(self, request: Request) -> None:
         for group in self.groups:
             KVCacheManager.trim(group, request)
-
-    def reset_prefix_cache(self) -> None:
-        KVCacheManager.reset_prefix_cache(self)  # the shared cache and ghosts; group 0's chains
-        for group in self.others:
-            for chain in group._req_to_chain.values():
-                chain.cacheable = False

@@ -63,30 +63,29 @@ class KVCacheManager:
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # Head = least recently freed = next to be reused. OrderedDict: O(1) removal of a hit.
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached_block_hash_to_block: dict[int, int] = {}
         self.req_to_blocks: dict[str, list[int]] = {}
         self._req_to_chain: dict[str, HashChain] = {}
         self._num_dead: dict[str, int] = {}  # leading table entries released (left of window)
-        self._content_ids = itertools.count()
-        # With a window on every layer: evicted hashed blocks' identities (tokens, content id,
-        # parent's), so a hit may pass over them left of its window and stay exact.
-        self._ghosts: OrderedDict[int, tuple] = OrderedDict()
-        self.keep_ghosts = sliding_window is not None
         # A hybrid model's other layer groups share the first's pool (blocks, free queue,
         # prefix cache, ghosts); their hashes start from ``group``, so no hit crosses groups.
         self.group = group
-        if share is not None:
+        if share is None:
+            self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+            # Head = least recently freed = next reused. OrderedDict: O(1) removal of a hit.
+            self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+            self.cached_block_hash_to_block: dict[int, int] = {}
+            self._content_ids = itertools.count()
+            # With a window: evicted hashed blocks' identities (tokens, content id, parent's),
+            # so a hit may pass over them left of its window and stay exact.
+            self._ghosts: OrderedDict[int, tuple] = OrderedDict()
+            self.keep_ghosts = sliding_window is not None
+        else:
             for name in ("blocks", "_free_queue", "cached_block_hash_to_block", "_ghosts",
                          "_content_ids", "keep_ghosts"):  # fmt: skip
                 setattr(self, name, getattr(share, name))
         # vLLM's prefix-cache metrics: tokens looked up / tokens found; and the same in blocks.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.prefix_cache_block_queries = 0
-        self.prefix_cache_block_hits = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.prefix_cache_block_queries = self.prefix_cache_block_hits = 0
 
     # -- state -------------------------------------------------------------------------------
 
@@ -197,7 +196,7 @@ class KVCacheManager:
             clear_hash(block)
         self.cached_block_hash_to_block.clear()
         self._ghosts.clear()
-        for chain in self._req_to_chain.values():
+        for chain in (c for group in self.groups for c in group._req_to_chain.values()):
             chain.cacheable = False
 
     # -- allocation --------------------------------------------------------------------------

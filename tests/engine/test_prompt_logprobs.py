@@ -16,6 +16,7 @@ import torch
 from tests.support.engine import assert_no_leaks, greedy, random_prompt, run_alone, run_batch
 from tests.support.engine import tiny_engine as _tiny
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.worker import model_runner
 
 K = 3
 
@@ -83,6 +84,20 @@ def test_the_same_bits_batched_chunked_preempted_and_after_a_cache_fill(tiny_qwe
         assert again[rid].num_cached_tokens == 0
         assert _values(again[rid]) == _values(ref[rid]), rid
     assert_no_leaks(engine)
+
+
+def test_the_same_bits_when_the_head_runs_in_chunks_of_rows(tiny_qwen2_path, monkeypatch):
+    """The LM head over the prompt rows in chunks of 16 (the floor of
+    ``prompt_logprob_rows``; the tiny vocabulary otherwise fits one chunk): two prompts in one
+    step, split at rows that are not the requests' own boundaries, give the one-chunk bits."""
+    scored = [(f"s{i}", random_prompt(n, seed=70 + i), scoring()) for i, n in enumerate((50, 37))]
+    ref = run_batch(tiny_engine(tiny_qwen2_path, num_blocks=64), scored)
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BYTES", 1)
+    assert model_runner.prompt_logprob_rows(151_936) == 16
+    got = run_batch(tiny_engine(tiny_qwen2_path, num_blocks=64), scored)
+    for rid, prompt, _ in scored:
+        assert len(got[rid].prompt_logprobs) == len(prompt)
+        assert _values(got[rid]) == _values(ref[rid]), rid
 
 
 def test_generated_tokens_logprob_equals_the_prompt_logprob_of_it(tiny_qwen2_path):

@@ -149,15 +149,16 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scoring: list[PromptRows]) -> dict:
         """Each scored prompt row's next prompt token: its logprob under the model (log-softmax
-        of the float32 logits, no sampling stage), rank and top-k, PROMPT_LOGPROB_ROWS rows of
+        of the float32 logits, no sampling stage), rank and top-k, prompt_logprob_rows rows of
         logits at a time — on a CPU in ops.c's two passes a row (kernels.ops.logprob_rows:
         66 -> 6 ms after the head's matmul for 256 rows of SmolLM2's 49,152 logits),
         elsewhere in torch."""
         result: dict[str, list[TokenLogprob]] = {}
+        chunk = prompt_logprob_rows(self.config.vocab_size)
         for rows in scoring:
-            for s in range(0, len(rows.targets), PROMPT_LOGPROB_ROWS):
+            for s in range(0, len(rows.targets), chunk):
                 first = rows.first_row + s
-                targets = rows.targets[s : s + PROMPT_LOGPROB_ROWS]
+                targets = rows.targets[s : s + chunk]
                 logits = self.model.compute_logits(hidden[first : first + len(targets)])
                 want = torch.tensor(targets, dtype=torch.int64)
                 lp, rank, top_id, top_lp = _row_logprobs(logits, want, rows.k)
@@ -247,8 +248,16 @@ class ModelRunner:
         return result
 
 
-# Prompt logprobs: rows of logits computed at once (49,152-token vocabularies: 48 MiB).
-PROMPT_LOGPROB_ROWS = 256
+# Prompt logprobs: rows of logits computed at once, as many as fit this many bytes (SmolLM2's
+# 49,152-token vocabulary: 85 rows). 256 rows' 48 MiB were mapped fresh for every chunk (past
+# glibc's 32 MiB ceiling for reusing freed memory): the page faults cost the head's matmul 15%
+# (benchmarks/README.md, "Scoring prompts").
+PROMPT_LOGPROB_BYTES = 16 << 20
+
+
+def prompt_logprob_rows(vocab_size: int) -> int:
+    """Rows of prompt logits per chunk for this vocabulary (at least 16)."""
+    return max(16, PROMPT_LOGPROB_BYTES // (4 * vocab_size))
 
 
 @dataclass

@@ -161,7 +161,7 @@ INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x
 }
 
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
-#define FEW_ROWS (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)  // AVX2: 9-16 rows as two halves (1.2-1.5x)
+#define FEW_ROWS (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)  // AVX2: up to 16 rows in pieces (1.2-1.5x)
 
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output; full groups only).
 static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
@@ -186,8 +186,24 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
     }
 }
 
+// The rows [r0, r0 + piece) a few-row call takes next. AVX-512: all of them (up to MAX_ROWS).
+// AVX2 from 7 rows: ceil(M / 5) pieces as even as possible (7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4,
+// 12 = 4 + 4 + 4, 16 = 4 x 4), each reading the codes again (a layer's weight is in cache by
+// then): the 4-6-row tiles take 2 groups, codes first, where 7-8 rows fit 1 group only
+// (1.05-1.14x at 7-8 and 12-16 rows; benchmarks/README.md, "Few-row pieces on Zen 3").
+INLINE int few_rows_piece(int M, int r0) {
+#if GW == 16
+    (void)r0;
+    return M;
+#else
+    if (M < 7) return M;
+    const int n = (M + 4) / 5, q = M / n, extra = M % n;  // the first `extra` take q + 1
+    return r0 < extra * (q + 1) ? q + 1 : q;
+#endif
+}
+
 // Few rows (up to FEW_ROWS): rows [0, M) x groups [g0, g1) into y (group g0's first output)
-// in tiles straight from the codes; AVX2 cuts 9-16 rows into two halves. The tile shapes per
+// in tiles straight from the codes; AVX2 takes 7-16 rows in pieces. The tile shapes per
 // row count were measured (benchmarks/README.md, "AVX-512", "Few-row tiles on Zen 3"): 16
 // lanes, 2 groups at every row count; AVX2, Zen 3: 4-6 rows x 2 groups codes first
 // (1.07-1.37x 1 group).
@@ -208,7 +224,7 @@ INLINE void codes_rows_few(const weight_t *w, const float *x, int64_t ldx, const
         break;                                                                               \
     }
     for (int r0 = 0, mh; r0 < M; r0 += mh) {
-        mh = M <= MAX_ROWS ? M : r0 ? M - r0 : (M + 1) / 2;
+        mh = few_rows_piece(M, r0);
         const float *xr = x + (int64_t)r0 * ldx, *sr = w->kind ? sx : sx + (int64_t)r0 * nb;
         float *yr = y + (int64_t)r0 * ldy;
         switch (mh) {

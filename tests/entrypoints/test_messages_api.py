@@ -168,6 +168,15 @@ def test_x_api_key_and_bearer(fake_server):
         assert (
             c.messages.count_tokens(model="fake-model", messages=body["messages"]).input_tokens > 0
         )
+        # Both headers (a client configured with a key and a token, e.g. Claude Code's
+        # ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN): either may be the key; neither being
+        # it is still a 401, and the message names both headers.
+        for bearer, x_key, status in (("other", "s3cret", 200), ("s3cret", "other", 200),
+                                      ("other", "nope", 401)):  # fmt: skip
+            both = {"Authorization": f"Bearer {bearer}", "x-api-key": x_key}
+            r = httpx.post(s.url("/v1/messages"), json=body, headers=both)
+            assert r.status_code == status, (bearer, x_key)
+            assert status == 200 or "x-api-key" in r.json()["error"]["message"]
 
 
 def test_every_sdk_field_is_classified():

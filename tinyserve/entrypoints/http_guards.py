@@ -23,7 +23,7 @@ _bearer = HTTPBearer(auto_error=False, description="The server's --api-key")
 def _key_error() -> OpenAIError:
     return OpenAIError(
         401,
-        "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+        "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
         "authentication_error",
         code="invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
@@ -34,17 +34,22 @@ def _key_matches(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))  # constant time
 
 
+def key_accepted(headers, expected: str) -> bool:
+    """Either key a request carries matches (api_keys_of): the anthropic SDK sends both
+    headers when given an api_key and an auth_token, and only one of them need be ours."""
+    ok = False
+    for given in api_keys_of(headers):
+        ok |= _key_matches(given, expected)  # every candidate compared: no early exit
+    return ok
+
+
 async def check_api_key(
     request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
 ) -> None:
     """The routes' declared dependency (it puts the bearer scheme in the OpenAPI document);
     APIKeyGuard below enforces the key on every path before any route runs."""
     expected: str | None = request.app.state.api_key
-    if not expected:
-        return
-    given = credentials.credentials if credentials is not None else ""
-    given = given or request.headers.get("x-api-key", "")  # Anthropic's clients send this
-    if not _key_matches(given, expected):
+    if expected and not key_accepted(request.scope.get("headers", ()), expected):
         raise _key_error()
 
 
@@ -74,25 +79,24 @@ class APIKeyGuard:
             return await self.app(scope, receive, send)
         if route_is_open(scope.get("path", ""), self.open_routes):
             return await self.app(scope, receive, send)
-        given = api_key_of(scope.get("headers", ()))
-        if not _key_matches(given, self.api_key):
+        if not key_accepted(scope.get("headers", ()), self.api_key):
             path = scope.get("path", "")
             return await error_response(path, _key_error())(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
-def api_key_of(headers) -> str:
-    """The key a request carries: ``Authorization: Bearer <key>``, or (Anthropic's clients)
-    ``x-api-key: <key>``."""
-    bearer, x_api_key = "", ""
+def api_keys_of(headers) -> list[str]:
+    """The keys a request carries: ``Authorization: Bearer <key>`` and (Anthropic's clients)
+    ``x-api-key: <key>``, each where present."""
+    keys = []
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer":
-                bearer = token.strip()
+                keys.append(token.strip())
         elif name == b"x-api-key":
-            x_api_key = value.decode("latin-1").strip()
-    return bearer or x_api_key
+            keys.append(value.decode("latin-1").strip())
+    return keys
 
 
 def anthropic_path(path: str) -> bool:

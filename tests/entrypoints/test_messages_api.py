@@ -146,6 +146,69 @@ def test_errors_are_anthropic_shaped(client):
         assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
 
 
+def test_a_final_assistant_message_is_continued(claude, client, smollm2_tokenizer):
+    """Anthropic's prefill: a last assistant message is left open and the answer continues
+    it — the prompt is the template's with ``continue_final_message`` (no end of turn, no new
+    assistant header), the answer the same greedy tokens as /v1/completions on those ids, and
+    it holds only the continuation."""
+    ask = {"role": "user", "content": "Count to 10"}
+    msgs = [ask, {"role": "assistant", "content": "1, 2, 3,"}]
+    ids = smollm2_tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    kw = dict(model=MODEL, max_tokens=8, extra_body={"temperature": 0})
+    m = claude.messages.create(messages=msgs, **kw)
+    assert m.usage.input_tokens == len(ids)
+    assert claude.messages.count_tokens(model=MODEL, messages=msgs).input_tokens == len(ids)
+    plain = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 8,
+                                                 "temperature": 0}).json()  # fmt: skip
+    assert m.content[0].text == plain["choices"][0]["text"]
+    with claude.messages.stream(messages=msgs, **kw) as stream:
+        assert "".join(stream.text_stream) == m.content[0].text
+    # An empty final assistant message is left out: the prompt is the user turn's.
+    alone = claude.messages.count_tokens(model=MODEL, messages=[ask]).input_tokens
+    empty = [ask, {"role": "assistant", "content": ""}]
+    assert claude.messages.count_tokens(model=MODEL, messages=empty).input_tokens == alone
+
+
+def test_turns_as_anthropic_takes_them(claude, client):
+    """Thinking blocks of an earlier answer are dropped (as Anthropic strips them), text
+    blocks of a turn joined by newlines, empty turns and a prefill ending in whitespace 400s,
+    and a known block with a bad field is that field's error."""
+
+    def count(messages):
+        return claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+    hi, again = {"role": "user", "content": "hi"}, {"role": "user", "content": "again"}
+    think = [
+        {"type": "thinking", "thinking": "hmm", "signature": "abc"},
+        {"type": "redacted_thinking", "data": "xyz"},
+        {"type": "text", "text": "hello"},
+    ]
+    assert count([hi, {"role": "assistant", "content": think}, again]) == count(
+        [hi, {"role": "assistant", "content": "hello"}, again]
+    )
+    two = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert count([{"role": "user", "content": two}]) == count(
+        [{"role": "user", "content": "Hello\nworld"}]
+    )
+    base = {"model": MODEL, "max_tokens": 4}
+    cases = [
+        ([{"role": "user", "content": ""}], "non-empty"),
+        ([{"role": "user", "content": []}], "non-empty"),
+        ([hi, {"role": "assistant", "content": ""}, again], "non-empty"),
+        ([hi, {"role": "assistant", "content": "1, 2, "}], "trailing whitespace"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "text.text: Field required"),
+        ([hi, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                 "input": None}]}], "tool_use.input"),
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                        "content": None}]}], "tool_result.content"),
+    ]  # fmt: skip
+    for messages, words in cases:
+        r = client.post("/v1/messages", json={**base, "messages": messages})
+        assert r.status_code == 400, (messages, r.text)
+        assert r.json()["type"] == "error" and words in r.json()["error"]["message"], r.text
+
+
 def test_x_api_key_and_bearer(fake_server):
     body = {"model": "fake-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     with fake_server(api_key="s3cret") as s:

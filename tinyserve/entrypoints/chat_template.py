@@ -27,7 +27,10 @@ def render_chat(
     tools: list[T.Tool] | None = None,
     tool_choice: T.ToolChoice | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
+    """``continue_final``: the last message (an assistant's) is left open, no end of turn
+    and no generation prompt after it, so that the answer continues it (a prefill)."""
     taken = sorted(set(template_kwargs or {}) & TEMPLATE_OWN_ARGS)
     if taken:
         raise bad_request(
@@ -49,6 +52,8 @@ def render_chat(
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     else:
         conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
+    if continue_final:
+        kwargs["continue_final_message"], add_generation_prompt = True, False
     try:
         ids = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs

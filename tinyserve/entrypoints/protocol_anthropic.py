@@ -7,16 +7,18 @@ system message; a user turn's ``tool_result`` blocks become ``tool`` messages (b
 turn's text), an assistant turn's ``tool_use`` blocks its ``tool_calls``; ``tools`` (custom
 tools: ``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``, ``any`` =
 required, ``tool`` = named, ``none``; ``disable_parallel_tool_use``) go through the same
-grammar-enforced tool calling as chat. Images, documents, thinking and server tools are 400s.
+grammar-enforced tool calling as chat. A final assistant message is a prefill the answer
+continues. Images, documents, thinking and server tools are 400s; an earlier answer's thinking
+blocks are dropped.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from tinyserve.entrypoints.protocol import ChatMessage, OpenAIError, _Request, bad_request
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall, ToolChoice
@@ -55,13 +57,27 @@ class ToolResultBlock(_Request):
 
 
 class OtherBlock(_Request):
-    """Any other block (image, document, thinking, ...): refused by name."""
+    """Any other block (image, document, server tool results, ...): refused by name; an
+    earlier answer's ``thinking`` / ``redacted_thinking`` are dropped (Anthropic strips them
+    from previous turns too, so clients send them back as they got them)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock
+def _block_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return kind if kind in ("text", "tool_use", "tool_result") else "other"
+
+
+# Tagged by ``type``: a known block with a bad field is that block's error (``text`` missing,
+# ``input`` not an object), never "a 'text' block is not supported" from the catch-all.
+Block = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_kind),
+]  # fmt: skip
+DROPPED = frozenset({"thinking", "redacted_thinking"})
 
 
 class Message(_Request):
@@ -128,14 +144,26 @@ class MessagesRequest(_Request):
         if self.thinking and self.thinking.get("type") not in (None, "disabled"):
             raise bad_request("thinking: the served model has no thinking mode", "thinking")
 
-    def chat_messages(self) -> list[ChatMessage]:
+    def chat_messages(self) -> tuple[list[ChatMessage], bool]:
+        """The chat messages, and whether the last (an assistant's text) is a prefill the
+        answer continues. Only a final assistant message may be empty (then it is left out)."""
         out: list[ChatMessage] = []
         if self.system:
             text = self.system if isinstance(self.system, str) else _join(self.system)
             out.append(ChatMessage(role="system", content=text))
+        last, prefill = len(self.messages) - 1, False
         for i, m in enumerate(self.messages):
-            out += _turn(m, i)
-        return out
+            turn = _turn(m, i)
+            if turn[-1].role == "tool" or turn[-1].content or turn[-1].tool_calls:
+                out += turn
+                prefill = i == last and m.role == "assistant" and not turn[-1].tool_calls
+            elif not (i == last and i > 0 and m.role == "assistant"):
+                raise bad_request(f"messages[{i}]: content must be non-empty (only the final "
+                                  "assistant message may be empty)", "messages")  # fmt: skip
+        if prefill and out[-1].content != out[-1].content.rstrip():
+            raise bad_request(f"messages[{last}]: the final assistant content cannot end with "
+                              "trailing whitespace", "messages")  # fmt: skip
+        return out, prefill
 
     def chat_tools(self) -> list[Tool]:
         tools = []
@@ -186,6 +214,8 @@ def _turn(m: Message, i: int) -> list[ChatMessage]:
         where = f"messages[{i}].content[{j}]"
         if isinstance(b, TextBlock):
             texts.append(b.text)
+        elif b.type in DROPPED and m.role == "assistant":
+            continue
         elif isinstance(b, ToolUseBlock) and m.role == "assistant":
             calls.append(
                 ToolCall.model_validate(
@@ -212,7 +242,7 @@ def _turn(m: Message, i: int) -> list[ChatMessage]:
                               "turn", "messages")  # fmt: skip
     turn = []
     if texts or calls or not results:
-        turn.append(ChatMessage(role=m.role, content="".join(texts) if texts or not calls else None,
+        turn.append(ChatMessage(role=m.role, content="\n".join(texts) if texts or not calls else None,
                                 tool_calls=calls or None))  # fmt: skip
     return results + turn
 

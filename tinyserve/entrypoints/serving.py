@@ -162,10 +162,11 @@ class OpenAIServing:
         tools=None,
         tool_choice=None,
         template_kwargs=None,
+        continue_final=False,
     ) -> list[int]:
         """The conversation through the tokenizer's chat template (chat_template.py)."""
         return render_chat(self.tokenizer, messages, add_generation_prompt, tools or [],
-                           tool_choice, template_kwargs)  # fmt: skip
+                           tool_choice, template_kwargs, continue_final)  # fmt: skip
 
     def sampling_params(
         self, req: P._SamplingFields, scores: bool = False, **extra: Any

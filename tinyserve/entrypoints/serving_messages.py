@@ -72,9 +72,10 @@ class MessagesServing(OpenAIServing):
         req.check()
         choice, parallel = req.chat_tool_choice()
         tools = self.checked_tools(req.chat_tools() or None, choice)
-        messages = req.chat_messages()
+        messages, prefill = req.chat_messages()
         size = sum(len(m.content or "") if isinstance(m.content, str) else 0 for m in messages)
-        prompt_ids = await off_loop(size, self.chat_prompt_ids, messages, True, tools, choice)
+        prompt_ids = await off_loop(size, self.chat_prompt_ids, messages, True, tools, choice,
+                                    None, prefill)  # fmt: skip
         return prompt_ids, tools, choice, parallel
 
     async def count_tokens(self, req: A.CountTokensRequest) -> dict[str, Any]:

@@ -103,6 +103,51 @@ def test_choice_and_json_object(server):
     )
 
 
+def _strict_json(text: str):
+    """json.loads that refuses NaN / Infinity, as JSON.parse and most clients do."""
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_top_logprobs_of_a_constrained_answer_are_finite(server):
+    """More top_logprobs than the grammar allows tokens: the masked ones read vLLM's -9999.0,
+    not -Infinity (a 500 before, and a bare -Infinity in stream chunks), streamed or not, on
+    chat and completions."""
+    ask = [{"role": "user", "content": "Pick a fruit."}]
+    chat = {
+        "model": MODEL,
+        "messages": ask,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "structured_outputs": {"choice": ["apple", "fig"]},
+    }
+    r = httpx.post(server.url("/v1/chat/completions"), json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    tokens = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    assert tokens and any(t["logprob"] == -9999.0 for e in tokens for t in e["top_logprobs"])
+    with httpx.stream(
+        "POST", server.url("/v1/chat/completions"), json={**chat, "stream": True}, timeout=60
+    ) as s:
+        chunks = [_strict_json(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert any(c["choices"] and c["choices"][0].get("logprobs") for c in chunks)
+    plain = {
+        "model": MODEL,
+        "prompt": "Fruit:",
+        "max_tokens": 4,
+        "logprobs": 3,
+        "temperature": 0,
+        "structured_outputs": {"choice": ["yes", "no"]},
+    }
+    r = httpx.post(server.url("/v1/completions"), json=plain, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _strict_json(r.text)["choices"][0]["logprobs"]["top_logprobs"]
+
+
 @pytest.mark.parametrize(
     "extra, param, words",
     [

@@ -9,7 +9,13 @@ import math
 import torch
 
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.worker.sampler import Sampler, SamplingMetadata, SamplingRow, unpack_bitmask
+from tinyserve.worker.sampler import (
+    LOGPROB_FLOOR,
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    unpack_bitmask,
+)
 
 V = 100  # not a multiple of 32: the last word is partial
 
@@ -66,6 +72,13 @@ def test_masked_rows_sample_only_allowed_tokens_and_others_are_untouched():
     ref = torch.log_softmax(logits[0, sorted(allowed)], dim=-1)
     assert math.isclose(float(out.logprobs[0]), float(ref.max()), rel_tol=1e-5)
     assert set(out.top_token_ids[0].tolist()) <= allowed
+    # More top logprobs than allowed tokens: the rest are masked ones, at vLLM's floor, never
+    # -inf (a JSON body cannot hold it).
+    six = _rows([SamplingParams(temperature=0.0, logprobs=6)], [mask])
+    out6 = Sampler()(logits[:1], SamplingMetadata.build(six, V, torch.device("cpu")))
+    top = out6.top_logprobs[0].tolist()
+    assert set(out6.top_token_ids[0, :4].tolist()) == allowed and top[4:] == [LOGPROB_FLOOR] * 2
+    assert all(math.isfinite(v) for v in top)
     assert math.isclose(
         float(out.logprobs[2]), float(torch.log_softmax(logits[2], -1).max()), rel_tol=1e-5
     )

@@ -15,8 +15,8 @@ Contract with the model runner:
   returns by default.
 
 Stage order (vLLM's): grammar bitmask (constrained rows; logprobs are then those of the masked
-distribution) -> logit_bias -> min_tokens -> repetition / frequency / presence penalties
--> greedy argmax | temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+distribution, a masked token's LOGPROB_FLOOR) -> logit_bias -> min_tokens -> repetition /
+frequency / presence penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import torch
 
 from tinyserve.sampling_params import SamplingParams
 
+# The least logprob reported: a token the grammar masked (log 0) reads this, as in vLLM.
+LOGPROB_FLOOR = -9999.0
 # q ~ Exp(1) may be exactly 0; a 0/0 would be NaN, which argmax treats as the maximum.
 _MIN_EXP_NOISE = torch.finfo(torch.float32).tiny
 
@@ -205,7 +207,9 @@ class Sampler:
             apply_grammar_bitmask(logits, *meta.grammar)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            # A token the grammar masked is -inf here; JSON has no -inf (a 500, or a bare
+            # -Infinity no JSON.parse reads, when one reached top_logprobs): vLLM's floor.
+            raw_logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=LOGPROB_FLOOR)  # [B, V]
 
         logits = apply_logits_processors(logits, meta)
         if meta.all_greedy:

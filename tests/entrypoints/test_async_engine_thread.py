@@ -166,6 +166,10 @@ def test_queue_bound():
             engine.add_request("r5", [1], SamplingParams(n=2, max_tokens=4))
         streams[0].abort()
         engine.add_request("r6", [1], SamplingParams(max_tokens=4))
+        # Larger than running and waiting together: never admitted, so a ValueError (400)
+        # naming the bound, not a QueueFullError (429) a client would retry forever.
+        with pytest.raises(ValueError, match="at most 3 at once"):
+            engine.add_request("r7", [[1]] * 2, SamplingParams(n=2, max_tokens=4))
         engine.shutdown()
 
     run(main())

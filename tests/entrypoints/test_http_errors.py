@@ -190,6 +190,9 @@ def test_queue_full_is_429(fake_server):
                 r = httpx.post(s.url(COMP), json={"prompt": "hi", "max_tokens": 2})
                 err = assert_error(r, 429)
                 assert r.headers["retry-after"] == "1" and err["code"] == "queue_full"
+        # One request fanning out past running + waiting together: a 400 on an idle server.
+        err = assert_error(httpx.post(s.url(COMP), json={"prompt": ["a", "b", "c"]}), 400)
+        assert "at most 2 at once" in err["message"]
         assert httpx.get(s.url("/health")).status_code == 200
 
 

@@ -212,7 +212,15 @@ class AsyncEngine:
         prompts = as_prompts(prompts)
         self.engine.validate_request(prompts, params)
         num_seqs = len(prompts) * params.n
-        # Up to max_num_seqs sequences run; beyond that at most max_queued_requests wait.
+        # Up to max_num_seqs sequences run; beyond that at most max_queued_requests wait. A
+        # request larger than both together would be refused forever: a 400, not a 429.
+        if num_seqs > self.max_num_seqs + self.max_queued_requests:
+            raise ValueError(
+                f"n: the request asks for {num_seqs} sequences ({len(prompts)} prompts x n = "
+                f"{params.n}); this server takes at most "
+                f"{self.max_num_seqs + self.max_queued_requests} at once (--max-num-seqs "
+                f"{self.max_num_seqs} + --max-queued-requests {self.max_queued_requests})"
+            )
         waiting = max(0, self._num_seqs_in_flight + num_seqs - self.max_num_seqs)
         if waiting > self.max_queued_requests:
             raise QueueFullError(

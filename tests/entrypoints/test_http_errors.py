@@ -43,6 +43,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSGS, "stop": [""]}, "stop"),
     (CHAT, {"messages": MSGS, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": "maybe"}}, "-"),
+    (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": MSGS, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     (COMP, {}, "prompt"),
     (COMP, {"prompt": []}, "prompt"),
     (COMP, {"prompt": ""}, "prompt"),
@@ -52,6 +54,7 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "hi", "logprobs": 50}, "logprobs"),
     (COMP, {"prompt": "hi", "seed": "x"}, "seed"),
     (COMP, {"prompt": "hi", "suffix": "x"}, "suffix"),
+    (COMP, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/tokenize", {}, "prompt"),
 ]
@@ -166,7 +169,7 @@ def test_api_key_guards_every_route_but_health_and_the_page(fake_server):
                 "POST /v1/responses", "GET /v1/responses/{response_id}", "POST /v1/messages",
                 "POST /v1/messages/count_tokens"} <= set(checked)  # fmt: skip
         assert {"GET /v1/engine/events", "GET /v1/engine/snapshot", "GET /metrics"} <= set(checked)
-        assert len(checked) == 14, checked
+        assert len(checked) == 15, checked  # GET /v1/models/{model_id:path} among them
         good = {"Authorization": "Bearer s3cret"}
         schema = httpx.get(s.url("/openapi.json"), headers=good).json()
         assert "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]

@@ -20,6 +20,10 @@ def test_models(oai, server):
     models = oai.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == server.async_engine.max_model_len
+    one = oai.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert one.id == MODEL and one.model_extra["max_model_len"] == server.async_engine.max_model_len
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.models.retrieve("org/other-model")  # an id with a slash reaches the route too
 
 
 def test_chat_stream_matches_non_stream_greedy(oai):

@@ -72,15 +72,19 @@ def _router() -> APIRouter:
         """Text completion; `stream: true` answers with `text/event-stream` chunks."""
         return await request.app.state.serving_completion.create(body, request)
 
+    def card(state) -> P.ModelCard:
+        return P.ModelCard(id=state.model_name, root=state.model_root,
+                           max_model_len=state.async_engine.max_model_len)  # fmt: skip
+
     @api.get("/v1/models", response_model=P.ModelList)
     async def models(request: Request) -> P.ModelList:
-        state = request.app.state
-        card = P.ModelCard(
-            id=state.model_name,
-            root=state.model_root,
-            max_model_len=state.async_engine.max_model_len,
-        )
-        return P.ModelList(data=[card])
+        return P.ModelList(data=[card(request.app.state)])
+
+    @api.get("/v1/models/{model_id:path}", response_model=P.ModelCard)
+    async def model(model_id: str, request: Request) -> P.ModelCard:
+        """OpenAI's retrieve (``client.models.retrieve``): the served model, else a 404."""
+        request.app.state.serving_chat.check_model(model_id)
+        return card(request.app.state)
 
     @api.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(body: P.TokenizeRequest, request: Request) -> P.TokenizeResponse:

@@ -174,6 +174,8 @@ class OpenAIServing:
         """The sampling fields every API shares, plus the API's own (``extra``). ``max_tokens``
         0 (scoring the prompt) only where the answer has something to show for it: prompt
         logprobs, or (``scores``) the echoed prompt."""
+        if getattr(req, "stream_options", None) is not None and not req.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         kwargs: dict[str, Any] = {
             "n": req.n,
             "temperature": req.temperature,

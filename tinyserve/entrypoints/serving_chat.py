@@ -45,6 +45,10 @@ class ChatServing(OpenAIServing):
     async def prepare(self, req: P.ChatCompletionRequest) -> ChatJob:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs=true", "top_logprobs")
+        if req.stream and req.prompt_logprobs is not None:  # a chunk has no place for them
+            raise bad_request("prompt_logprobs: not available with stream=true on chat "
+                              "completions (as vLLM; /v1/completions streams them)",
+                              "prompt_logprobs")  # fmt: skip
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise bad_request(f"top_logprobs: must be in [0, 20], got {req.top_logprobs}")
         tools = self.checked_tools(req.tools, req.tool_choice)

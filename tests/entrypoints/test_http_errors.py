@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.api import MODEL, assert_error
+from tests.support.api import MODEL, WEATHER, assert_error
 from tinyserve.entrypoints.api_server import API_KEY_ENV, server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
 from tinyserve.testing.server import wait_until
@@ -109,6 +109,21 @@ def test_tokenize_detokenize_roundtrip(client, server):
     assert r.json()["prompt"] == "Hello world"
     chat = client.post("/tokenize", json={"messages": MSGS}).json()
     assert chat["count"] > body["count"]
+    # A chat with tools counts what a chat completion with them prompts (the template or
+    # tools.py renders them), and return_token_strs gives each id's token string.
+    tools = [WEATHER]
+    with_tools = client.post("/tokenize", json={"messages": MSGS, "tools": tools}).json()
+    done = client.post(CHAT, json={"messages": MSGS, "tools": tools, "max_tokens": 1}).json()
+    assert with_tools["count"] == done["usage"]["prompt_tokens"] > chat["count"]
+    strs = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    want = server.engine.tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert strs.json()["token_strs"] == want and body["token_strs"] is None
+    for bad in (
+        {"prompt": "hi", "tools": tools},
+        {"messages": MSGS, "continue_final_message": True},
+    ):
+        name = "tools" if "tools" in bad else "continue_final_message"
+        assert_error(client.post("/tokenize", json=bad), 400, name)
 
 
 def test_openapi_schema_describes_requests(client):

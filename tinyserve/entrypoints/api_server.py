@@ -30,6 +30,7 @@ from tinyserve.config import ServerConfig
 from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import serving_tokens as TK
 from tinyserve.entrypoints.engine_events import engine_events_router
 from tinyserve.entrypoints.http_guards import (
     APIKeyGuard,
@@ -86,12 +87,12 @@ def _router() -> APIRouter:
         request.app.state.serving_chat.check_model(model_id)
         return card(request.app.state)
 
-    @api.post("/tokenize", response_model=P.TokenizeResponse)
-    async def tokenize(body: P.TokenizeRequest, request: Request) -> P.TokenizeResponse:
+    @api.post("/tokenize", response_model=TK.TokenizeResponse)
+    async def tokenize(body: TK.TokenizeRequest, request: Request) -> TK.TokenizeResponse:
         return request.app.state.serving_tokens.tokenize(body)
 
-    @api.post("/detokenize", response_model=P.DetokenizeResponse)
-    async def detokenize(body: P.DetokenizeRequest, request: Request) -> P.DetokenizeResponse:
+    @api.post("/detokenize", response_model=TK.DetokenizeResponse)
+    async def detokenize(body: TK.DetokenizeRequest, request: Request) -> TK.DetokenizeResponse:
         return request.app.state.serving_tokens.detokenize(body)
 
     # The OpenAPI document and its viewer sit behind the key too (FastAPI's own are off).

@@ -371,30 +371,5 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_Request):
-    """Either ``prompt`` (text) or ``messages`` (a chat, through the chat template)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
 def dump(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json")

@@ -34,7 +34,8 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object; ``offset`` is the text offset of the first
     token. Echoed prompt tokens (``prompt_ids``) come first, with their logprobs from
-    ``prompt_lps`` (the first token's null, as OpenAI's)."""
+    ``prompt_lps`` (the first token's null, as OpenAI's). Each ``top_logprobs`` dict holds the
+    chosen token too where it is not among the top ones (OpenAI's and vLLM's up to N + 1)."""
     out: dict[str, list] = {
         "text_offset": [],
         "token_logprobs": [],
@@ -52,7 +53,10 @@ def completion_logprobs(
         out["text_offset"].append(offset)
         out["tokens"].append(s)
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(None if top is None else {token_str(t): v for t, v in top})
+        if top is not None:  # OpenAI: the chosen token always, so up to logprobs + 1 entries
+            top = {token_str(t): v for t, v in top}
+            top.setdefault(s, logprob)
+        out["top_logprobs"].append(top)
         offset += len(s)
     return out
 

@@ -64,6 +64,7 @@ def _same_as_chat(r, chat) -> None:
 def test_string_input_equals_chat(oai):
     r = oai.responses.create(model=MODEL, input=ASK, max_output_tokens=16, temperature=0)
     assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.temperature == 0 and r.top_p == 1.0  # the settings that sampled, defaults too
     (message,) = r.output
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_") and message.content[0].type == "output_text"

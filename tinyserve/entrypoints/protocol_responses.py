@@ -312,8 +312,8 @@ def response_head(req: ResponsesRequest, response_id: str, model: str) -> Respon
         model=model,
         instructions=req.instructions,
         max_output_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
+        temperature=1.0 if req.temperature is None else req.temperature,  # what samples, as
+        top_p=1.0 if req.top_p is None else req.top_p,  # OpenAI echoes: its defaults too
         tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
         tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else choice or "auto",
         parallel_tool_calls=req.parallel_tool_calls,

@@ -68,8 +68,8 @@ def _run(engine, params):
     while engine.has_unfinished():
         steps += 1
         for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(zip(o.new_token_ids, o.logprobs or
-                                                         [None] * len(o.new_token_ids)))  # fmt: skip
+            lps = o.logprobs or [None] * len(o.new_token_ids)
+            outs.setdefault(o.request_id, []).extend(zip(o.new_token_ids, lps, strict=True))
     # Per request, token by token: how many tokens a step gives (speculation drafts by the
     # measured step costs, which a busy host moves) is not what packing is about.
     return outs, steps

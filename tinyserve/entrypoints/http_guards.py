@@ -35,8 +35,8 @@ def _key_matches(given: str, expected: str) -> bool:
 
 
 def key_accepted(headers, expected: str) -> bool:
-    """Either key a request carries matches (api_keys_of): the anthropic SDK sends both
-    headers when given an api_key and an auth_token, and only one of them need be ours."""
+    """Either key a request carries matches (api_keys_of): a client configured with a key
+    and a token may send both headers, and only one of them need be ours."""
     ok = False
     for given in api_keys_of(headers):
         ok |= _key_matches(given, expected)  # every candidate compared: no early exit

@@ -161,7 +161,7 @@ INLINE void tile_f32(const weight_t *w, int64_t g0, const int NT, const float *x
 }
 
 #define MAX_ROWS 8  // up to this many rows the tiles read the codes directly
-#define FEW_ROWS (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)  // AVX2: up to 16 rows in pieces (1.2-1.5x)
+#define FEW_ROWS (GW == 8 ? 2 * MAX_ROWS : MAX_ROWS)  // AVX2: up to 16 rows in pieces, not panels
 
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output; full groups only).
 static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, float *y,
@@ -190,7 +190,7 @@ static void f32_rows(const weight_t *w, const float *x, int64_t ldx, int M, floa
 // AVX2 from 7 rows: ceil(M / 5) pieces as even as possible (7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4,
 // 12 = 4 + 4 + 4, 16 = 4 x 4), each reading the codes again (a layer's weight is in cache by
 // then): the 4-6-row tiles take 2 groups, codes first, where 7-8 rows fit 1 group only
-// (1.05-1.14x at 7-8 and 12-16 rows; benchmarks/README.md, "Few-row pieces on Zen 3").
+// (1.05-1.13x at 7-8 and 11-16 rows; benchmarks/README.md, "Few-row pieces on Zen 3").
 INLINE int few_rows_piece(int M, int r0) {
 #if GW == 16
     (void)r0;

@@ -16,7 +16,8 @@ Contract with the model runner:
 
 Stage order (vLLM's): grammar bitmask (constrained rows; logprobs are then those of the masked
 distribution, a masked token's LOGPROB_FLOOR) -> logit_bias -> min_tokens -> repetition /
-frequency / presence penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+frequency / presence penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p ->
+softmax -> exponential race.
 """
 
 from __future__ import annotations

@@ -147,6 +147,31 @@ def test_grammar_forced_tokens_are_drafts_that_change_nothing(fuzz_model):
     assert steps < plain_steps
 
 
+def test_a_dead_end_in_the_grammar_fails_its_request_not_the_engine(fuzz_model):
+    """A schema part no value satisfies (A refers only to itself): the forced tokens
+    `{"a":` are drafted, the matcher finds nothing after them and the library refuses to
+    roll back (the engine thread died of it). The request ends in an error naming the dead
+    end, as plain decoding's does (which had ended 'stop' on `{"a": `, invalid: a matcher in
+    an error state took EOS as a finished grammar's), and another request runs on."""
+    dead = {"$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}  # fmt: skip
+    ends = {}
+    for fast_forward in (True, False):
+        engine = _engine(fuzz_model, grammar_fast_forward=fast_forward)
+        prompt = engine.tokenizer.encode("Give me JSON:")
+        so = StructuredOutputsParams(json=dead, field="response_format")
+        engine.add_request("dead", prompt, _params(so, temperature=0.0))
+        engine.add_request("ok", prompt, _params(StructuredOutputsParams(json=SCHEMA),
+                                                 temperature=0.0, max_tokens=24))  # fmt: skip
+        out = drain(engine).choices
+        ((_, dead_end),) = out["dead"].items()
+        assert dead_end.finish_reason == "error" and "allows nothing" in dead_end.error
+        assert dead_end.error.startswith("response_format:")
+        ends[fast_forward] = out["ok"][0].token_ids
+        assert_no_leaks(engine)
+    assert ends[True] == ends[False]  # drafts or not, the other request's tokens
+
+
 def test_regex_choice_and_json_object(fuzz_model):
     engine = _engine(fuzz_model)
     prompt = engine.tokenizer.encode("Answer:")

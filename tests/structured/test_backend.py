@@ -116,6 +116,34 @@ def test_rollback_and_reset_restore_earlier_states(backend, compiled, doc_ids):
     assert other.accept_tokens(doc_ids[:1])
 
 
+# "a" allows no value (A refers only to itself): the grammar compiles, and its matcher reaches
+# a state nothing can extend once `{"a":` is written (the bug hunt's tool schema).
+DEAD_END = {"$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}  # fmt: skip
+
+
+def test_rollback_out_of_a_dead_end(backend, smollm2_tokenizer):
+    """Speculative drafts walked into a state with no continuation: the library's matcher is
+    then in an error state and refuses to roll back (the engine thread died on the
+    ValueError). The matcher is rebuilt from its accepted tokens instead: the state before
+    the drafts again, its mask unchanged; the dead end itself still allows only EOS."""
+    matcher = backend.matcher(backend.compile(StructuredOutputSpec.json_schema(DEAD_END)))
+    forced = matcher.forced_tokens()
+    assert smollm2_tokenizer.decode(forced).replace(" ", "").startswith('{"a":')
+    head, rest = forced[:2], forced[2:]
+    assert matcher.accept_tokens(head)
+    before, after, dead = (backend.allocate_bitmask(1) for _ in range(3))
+    matcher.fill_bitmask(before, 0)
+    assert matcher.accept_tokens(rest)
+    matcher.fill_bitmask(dead, 0)
+    assert matcher.error() and _allowed(dead) <= set(backend.eos_token_ids)
+    matcher.rollback(len(rest))
+    assert not matcher.error()
+    matcher.fill_bitmask(after, 0)
+    assert torch.equal(before, after)
+    assert matcher.accept_tokens(rest)  # and the same way on, as before the drafts
+
+
 def test_choice_prefix_may_end_or_go_on(backend, smollm2_tokenizer):
     compiled = backend.compile(StructuredOutputSpec.choice(["ab", "abc"]))
     matcher = backend.matcher(compiled)

@@ -252,6 +252,9 @@ class Scheduler:
         field = request.sampling_params.structured_outputs.field
         first_line = why.strip().splitlines()[0]
         request.error = f"{field}: the grammar is too complex for the parser: {first_line}"
+        if first_line.startswith("NoExtension"):  # the lexer found no token that could follow
+            request.error = (f"{field}: the grammar allows nothing after this point (a part no "
+                             "value satisfies, e.g. a $ref that refers only to itself)")  # fmt: skip
         request.error_param = field
 
     # -- leaving early -----------------------------------------------------------------------

@@ -69,10 +69,12 @@ class CompiledGrammar:
 class Matcher:
     """One request's position in its grammar (engine thread only)."""
 
-    def __init__(self, backend: GrammarBackend, ll_matcher: llguidance.LLMatcher):
+    def __init__(self, backend: GrammarBackend, template: llguidance.LLMatcher):
         self._backend = backend
-        self._m = ll_matcher
+        self._template = template  # the compiled grammar's start state, shared, never advanced
+        self._m = template.deep_copy()
         self._eos_after_stop = 0  # EOS accepted once stopped: llguidance does not record them
+        self._consumed: list[int] = []  # what the library took: rollback's way back (rebuild)
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """Advance over all of ``token_ids``, or over none: False (state unchanged) when any
@@ -81,6 +83,8 @@ class Matcher:
         if not ids:
             return True
         if any(t < 0 or t >= self._backend.tokenizer_vocab_size for t in ids):
+            return False
+        if self._m.is_error():  # a dead end or a parser limit: nothing, EOS included
             return False
         if self._m.is_stopped():
             # Only EOS may follow. llguidance counts none in validate_tokens, errors on
@@ -92,7 +96,10 @@ class Matcher:
             return True
         if self._m.validate_tokens(ids) != len(ids):
             return False
-        return self._m.consume_tokens(ids)
+        if not self._m.consume_tokens(ids):
+            return False
+        self._consumed += ids
+        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this matcher's allowed set into ``bitmask[row]``. A matcher the library put
@@ -113,8 +120,20 @@ class Matcher:
         ours = min(num_tokens, self._eos_after_stop)
         self._eos_after_stop -= ours
         num_tokens -= ours
-        if num_tokens and not self._m.rollback(num_tokens):
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+        if not num_tokens:
+            return
+        if num_tokens > len(self._consumed):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._consumed)} taken")
+        del self._consumed[len(self._consumed) - num_tokens :]
+        if not self._m.rollback(num_tokens):
+            # A draft led into a state nothing extends (a schema part no value satisfies):
+            # the library's matcher is then in an error state and refuses. Rebuild it from
+            # the start and the tokens kept (rare: only such a dead end gets here).
+            self._m = self._template.deep_copy()
+            if self._consumed and not self._m.consume_tokens(self._consumed):
+                raise ValueError(
+                    f"cannot replay {len(self._consumed)} tokens: {self._m.get_error()}"
+                )
 
     def forced_tokens(self) -> list[int]:
         """The tokens that follow whatever the model does: the grammar allows one
@@ -127,7 +146,11 @@ class Matcher:
 
     def error(self) -> str:
         """The library's message once it put the matcher in an error state (a parser limit
-        passed), else ""."""
+        passed, or a state nothing extends), else "". A matcher rebuilt by rollback has not
+        computed its mask yet, so a dead end shows only once it does: computed here (this is
+        asked when a token was refused, never per step)."""
+        if not self._m.is_error() and not self._m.is_stopped():
+            self._m.compute_bitmask()
         return self._m.get_error() if self._m.is_error() else ""
 
     def is_terminated(self) -> bool:
@@ -138,6 +161,7 @@ class Matcher:
         """Back to the start state (a preempted request recomputed from scratch)."""
         self._m.reset()
         self._eos_after_stop = 0
+        self._consumed = []
 
 
 class GrammarBackend:
@@ -215,7 +239,7 @@ class GrammarBackend:
 
     # ------------------------------------------------------------------ matchers and masks
     def matcher(self, compiled: CompiledGrammar) -> Matcher:
-        return Matcher(self, compiled._template.deep_copy())
+        return Matcher(self, compiled._template)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]

@@ -191,3 +191,29 @@ def test_step_exception_fails_its_requests_and_engine_recovers(tiny_qwen2_path, 
         assert again[f"{rid}2"].token_ids == ref[rid].token_ids, rid
     assert len(calls) > 1
     assert_no_leaks(engine)
+
+
+def test_a_grammar_mask_that_raises_fails_its_step_not_the_engine(tiny_qwen2_path):
+    """The grammars' masks are filled inside the step's guard (EngineCore._execute): a
+    matcher that raises (a grammar the library cannot roll back killed the engine thread)
+    fails that step's requests, and the next ones run."""
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=64)
+    ref = run_alone(tiny_engine(tiny_qwen2_path, num_blocks=64),
+                    [("later", random_prompt(9, seed=611), greedy(6))])  # fmt: skip
+
+    class Raising:  # the structured-output manager, once
+        calls = 0
+
+        def fill_bitmask(self, sched):
+            Raising.calls += 1
+            if Raising.calls == 1:
+                raise ValueError("cannot roll back 3 tokens: injected")
+
+    engine.core.structured = Raising()
+    engine.add_request("a", random_prompt(7, seed=610), greedy(6))
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error")]
+    assert "cannot roll back" in outputs[0].error
+    engine.add_request("later", random_prompt(9, seed=611), greedy(6))
+    assert drain(engine).choices["later"][0].token_ids == ref["later"].token_ids
+    assert_no_leaks(engine)

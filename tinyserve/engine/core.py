@@ -98,8 +98,6 @@ class EngineCore:
         self.num_steps += 1
         if self.view.records is not None:  # watched (engine_view.py); else no extra work
             self.view.begin_step(self.num_steps, scheduler_output)
-        if self.structured is not None:
-            self.structured.fill_bitmask(scheduler_output)
         runner_output, failed = self._execute(scheduler_output)
         update = self.scheduler.update_from_output(scheduler_output, runner_output)
         return _core_output(failed, update, runner_output)
@@ -109,10 +107,12 @@ class EngineCore:
             raise WorkerDiedError(problem)
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[Request]]:
-        """Run the step. A forward that raises fails only this step's requests (returned, as
-        FINISHED_ERROR), not the engine — except with tensor parallel, where the ranks may be
-        out of step and the group cannot go on."""
+        """Fill the grammars' masks and run the step. Either raising fails only this step's
+        requests (returned, as FINISHED_ERROR), not the engine — except with tensor parallel,
+        where the ranks may be out of step and the group cannot go on."""
         try:
+            if self.structured is not None:
+                self.structured.fill_bitmask(sched)
             return self.executor.execute(sched), []
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine
             if self.executor.distributed:

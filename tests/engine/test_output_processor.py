@@ -55,6 +55,20 @@ def test_fan_out_numbers_children_in_openai_order_and_counts_usage_once_per_prom
     assert "r" not in proc and not proc._parent_of
 
 
+def test_cached_tokens_count_each_prompt_once_at_its_choices_fewest():
+    """n = 2 over two prompts: the second choice of a cold prompt hits the blocks its sibling
+    just computed — not a cache hit of the request's. Per prompt the fewest of its choices,
+    summed as prompt_tokens sums the prompts (was the largest of all: a cold 200-token prompt
+    with n = 2 read 192 cached)."""
+    proc = OutputProcessor(None, (), max_model_len=64)
+    children = proc.add_request("r", [[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=1), 0.0)
+    for req, cached in zip(children, (16, 0, 32, 48), strict=True):
+        req.num_cached_tokens = cached
+    out = proc.process(children, _sample(children, {c.request_id: 10 for c in children},
+                                         {c.request_id for c in children})).outputs  # fmt: skip
+    assert out[-1].request_finished and out[-1].usage.cached_tokens == 0 + 32
+
+
 def test_add_is_all_or_nothing_and_ids_cannot_collide():
     proc = OutputProcessor(None, (), max_model_len=64)
     proc.add_request("a#1", [[1]], SamplingParams(), 0.0)

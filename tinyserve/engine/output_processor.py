@@ -58,10 +58,18 @@ class ParentRequest:
     live: set[str]
     usage: Usage
     detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)  # per prompt: its choices' fewest
 
     @property
     def finished(self) -> bool:
         return not self.live
+
+    def count_cached(self, prompt_index: int, num_cached: int) -> None:
+        """``usage.cached_tokens``: each prompt once, as ``prompt_tokens`` counts it, at what
+        its choices found cached the least — the cache as the request found it (with n > 1
+        a choice may hit the blocks its sibling just computed; that was not a cache hit)."""
+        self.cached[prompt_index] = min(self.cached.get(prompt_index, num_cached), num_cached)
+        self.usage.cached_tokens = sum(self.cached.values())
 
 
 @dataclass
@@ -176,7 +184,7 @@ class OutputProcessor:
         if req.sampling_params.prompt_logprobs is not None and num_output == len(new_ids):
             prompt_lps = [None, *req.prompt_logprobs]
         parent.usage.completion_tokens += len(new_ids)
-        parent.usage.cached_tokens = max(parent.usage.cached_tokens, req.num_cached_tokens)
+        parent.count_cached(req.index // parent.n, req.num_cached_tokens)
         prediction = req.sampling_params.prediction
         if prediction is not None and finish_reason is not None:
             parent.usage.count_prediction(prediction, req.output_token_ids[:num_output])

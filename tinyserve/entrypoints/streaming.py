@@ -86,6 +86,7 @@ class ChunkFrame:
     head: dict[str, Any]
     counts: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
     cached: int = 0
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
     usage: Usage | None = None
 
     @classmethod
@@ -106,7 +107,11 @@ class ChunkFrame:
         async for out in outputs(stream):
             self.usage = out.usage or self.usage
             self.counts[out.index] = out.num_output_tokens
-            self.cached = max(self.cached, out.num_cached_tokens)
+            # As the engine's usage counts them (output_processor.ParentRequest.count_cached).
+            pi = out.prompt_index
+            self.cached_by_prompt[pi] = min(self.cached_by_prompt.get(pi, out.num_cached_tokens),
+                                            out.num_cached_tokens)  # fmt: skip
+            self.cached = sum(self.cached_by_prompt.values())
             for chunk in per_output(out, finish_reason_of(out)):
                 yield self.mark(chunk)
         if self.job.include_usage:

@@ -148,3 +148,26 @@ def test_engine_core_step_is_schedule_execute_update():
     assert calls == [
         "_check_health", "schedule", "begin_step", "_execute", "update_from_output"
     ]  # fmt: skip
+
+
+def test_an_answer_the_validator_cannot_check_ends_its_request(smollm2_tokenizer):
+    """The check after generation (a schema with oneOf) over an answer jsonschema cannot
+    evaluate — multipleOf 0.5 of a 330-digit number raises OverflowError inside it: the
+    request ends in an error naming that, where the engine thread died of it."""
+    from tinyserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "required": ["qty", "kind"], "properties": {
+        "qty": {"type": "number", "multipleOf": 0.5},
+        "kind": {"oneOf": [{"const": "a"}, {"const": "b"}]}}}  # fmt: skip
+    proc = OutputProcessor(smollm2_tokenizer, (), max_model_len=4096)
+    so = StructuredOutputsParams(json=schema, field="response_format")
+    (req,) = proc.add_request("r", [[1, 2]], SamplingParams(structured_outputs=so), 0.0)
+    answer = smollm2_tokenizer.encode('{"qty": 9' + "7" * 329 + ', "kind": "a"}',
+                                      add_special_tokens=False)  # fmt: skip
+    for t in answer[:-1]:
+        req.append_output_token(t)
+    runner_out = _sample([req], {req.request_id: answer[-1]})
+    req.status = RequestStatus.FINISHED_STOPPED  # the grammar ended it
+    (out,) = proc.process([req], runner_out).outputs
+    assert out.finish_reason == "error" and out.error_param == "response_format"
+    assert "could not be checked" in out.error and "OverflowError" in out.error

@@ -219,7 +219,11 @@ class OutputProcessor:
         text = self.tokenizer.decode(
             ids, skip_special_tokens=req.sampling_params.skip_special_tokens
         )
-        why = so.answer_check(text) if so.answer_check else final_check(schema, text)
+        try:
+            why = so.answer_check(text) if so.answer_check else final_check(schema, text)
+        except Exception as e:  # noqa: BLE001 - the validator's own limits end the request
+            # (jsonschema's multipleOf over a 330-digit number: OverflowError), not the engine
+            why = f"the answer could not be checked against the schema ({type(e).__name__}: {e})"
         if why is None:
             return out
         return dataclasses.replace(out, finish_reason="error", error=f"{so.field}: {why}",

@@ -217,3 +217,29 @@ def test_a_grammar_mask_that_raises_fails_its_step_not_the_engine(tiny_qwen2_pat
     engine.add_request("later", random_prompt(9, seed=611), greedy(6))
     assert drain(engine).choices["later"][0].token_ids == ref["later"].token_ids
     assert_no_leaks(engine)
+
+
+def test_an_output_that_raises_fails_its_request_not_the_engine(tiny_qwen2_path, monkeypatch):
+    """The output processor raising for one request (a validator's OverflowError killed the
+    engine thread) ends that request as an error — the scheduler frees its blocks — and
+    the batch's other request goes on to the tokens it has alone."""
+    requests = [("a", random_prompt(7, seed=620), greedy(8)),
+                ("b", random_prompt(11, seed=621), greedy(8))]  # fmt: skip
+    ref = run_alone(tiny_engine(tiny_qwen2_path, num_blocks=64), requests)
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=64)
+    proc = engine.output_processor
+    real, calls = proc._token_output, []
+
+    def raising(parent, req, runner_out, stops):
+        calls.append(req.request_id)
+        if req.request_id.startswith("a") and calls.count(req.request_id) == 3:
+            raise OverflowError("injected")
+        return real(parent, req, runner_out, stops)
+
+    monkeypatch.setattr(proc, "_token_output", raising)
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    out = drain(engine).choices
+    assert out["a"][0].finish_reason == "error" and "OverflowError" in out["a"][0].error
+    assert out["b"][0].token_ids == ref["b"].token_ids
+    assert_no_leaks(engine)

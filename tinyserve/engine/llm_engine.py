@@ -180,6 +180,7 @@ class LLMEngine:
         core_output = self.core.step()
         processed = self.output_processor.process(core_output.requests, core_output.runner_output)
         self.core.finish_requests(processed.stop_string_ids, RequestStatus.FINISHED_STOPPED)
+        self.core.finish_requests(processed.failed_ids, RequestStatus.FINISHED_ERROR)
         if view.watching:
             view.end_step((time.perf_counter() - t0) * 1000.0)
         return processed.outputs

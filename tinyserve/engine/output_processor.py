@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
@@ -25,6 +26,8 @@ from tinyserve.outputs import ModelRunnerOutput, StepOutput, Usage
 from tinyserve.request import Request, RequestStatus
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured.schema_approx import final_check, needs_final_check
+
+logger = logging.getLogger(__name__)
 
 
 def as_prompts(prompt: list[int] | list[list[int]]) -> list[list[int]]:
@@ -78,6 +81,8 @@ class ProcessedOutputs:
     # Children whose stop string was found this step while still running: the caller has the
     # scheduler finish them (FINISHED_STOPPED), which frees their blocks.
     stop_string_ids: list[str]
+    # Children whose output raised while still running: the caller finishes them as errors.
+    failed_ids: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -149,12 +154,19 @@ class OutputProcessor:
             parent = self._parent_of.get(req.request_id)
             if parent is None:  # aborted meanwhile
                 continue
-            if req.status == RequestStatus.FINISHED_ERROR:
+            try:
+                if req.status == RequestStatus.FINISHED_ERROR:
+                    out = self._error_output(parent, req)
+                else:
+                    out = self._token_output(parent, req, runner_out, result.stop_string_ids)
+                    if out.finish_reason == "stop" and out.stop_reason is None:
+                        out = self._final_check(req, out)
+            except Exception as e:  # noqa: BLE001 - one request's output fails it, not the engine
+                logger.exception("output of %s failed", req.request_id)
+                req.error = f"internal error: {type(e).__name__}: {e}"
                 out = self._error_output(parent, req)
-            else:
-                out = self._token_output(parent, req, runner_out, result.stop_string_ids)
-                if out.finish_reason == "stop" and out.stop_reason is None:
-                    out = self._final_check(req, out)
+                if not req.is_finished:
+                    result.failed_ids.append(req.request_id)
             if out.finish_reason is not None:
                 self._finish_child(parent, req.request_id, out)
             result.outputs.append(out)

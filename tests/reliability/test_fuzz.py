@@ -61,7 +61,7 @@ def test_hostile_requests(fuzz_server):
 
 @pytest.mark.slow
 def test_schemathesis(fuzz_server):
-    r = run_schemathesis(fuzz_server.base_url, max_examples=20, seed=1)  # 11 operations x 2 modes
+    r = run_schemathesis(fuzz_server.base_url, max_examples=20, seed=1)  # 12 operations x 2 modes
     assert fuzz_failures(r) == [], r
     # Both modes of every operation ran, and the positive ones reached the engine.
     api = [k for k in r["operations"] if not k.startswith(("GET /health", "GET /metrics"))]
@@ -72,8 +72,9 @@ def test_schemathesis(fuzz_server):
         "GET /v1/engine/snapshot",
         "POST /v1/messages",
         "POST /v1/messages/count_tokens",
+        "GET /v1/models/{model_id}",
     } <= ops, r
-    assert len(ops) == 11 and len(api) == 2 * 11, r
+    assert len(ops) == 12 and len(api) == 2 * 12, r
     assert all(r["operations"][k]["cases"] > 0 for k in api), r
     assert r["status_counts"].get("200", 0) > 20, r
     assert wait_until(lambda: _idle_and_whole(fuzz_server), timeout=10)

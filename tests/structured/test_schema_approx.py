@@ -185,3 +185,26 @@ def test_groups_of_definitions_are_reached_through_their_refs():
               "$ref": "#/definitions/group/x"}  # fmt: skip
     assert uses_keywords(schema)
     assert "uniqueItems" not in json.dumps(approximate(schema))
+
+
+def test_the_check_after_generation_reads_keywords_as_the_grammar_does():
+    """The bug hunt's valid answers that the check refused (400s): pydantic money fields
+    (multipleOf 0.01: jsonschema's float division says 19.99 is not a multiple), an ECMA /
+    Rust pattern Python's re cannot read (\\p{Lu}), a draft-7 tuple `items` without a
+    $schema (an AttributeError inside jsonschema) and a 330-digit number (OverflowError).
+    Invalid answers are still refused."""
+    schema = json.dumps({"type": "object", "required": ["kind"], "properties": {
+        "price": {"type": "number", "multipleOf": 0.01},
+        "name": {"type": "string", "pattern": r"^\p{Lu}\p{Ll}+$"},
+        "pt": {"type": "array", "items": [{"type": "integer"}, {"type": "string"}]},
+        "qty": {"type": "number", "multipleOf": 0.5},
+        "kind": {"oneOf": [{"const": "a"}, {"const": "b"}]}}})  # fmt: skip
+    valid = (
+        '{"price": 19.99, "name": "Zoë", "pt": [1, "x"], "qty": 9' + "7" * 329 + ', "kind": "a"}'
+    )
+    assert final_check(schema, valid) is None
+    for bad, keyword in (('{"price": 19.995, "kind": "a"}', "multipleOf"),
+                         ('{"name": "zoë", "kind": "a"}', "pattern"),
+                         ('{"pt": ["x", 1], "kind": "a"}', "type"),
+                         ('{"qty": 1.25, "kind": "a"}', "multipleOf")):  # fmt: skip
+        assert f"'{keyword}'" in final_check(schema, bad), bad

@@ -36,6 +36,8 @@ from __future__ import annotations
 import functools
 import json
 
+from tinyserve.structured.answer_validator import answer_validator
+
 # Where subschemas live (a map's values / a list's items are schemas).
 _SUB = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
         "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
@@ -364,14 +366,6 @@ _SAFE_OPTIONS = {"whitespace_flexible": (True, False), "coerce_one_of": (True, F
                  "whitespace_pattern": (PRETTY_WHITESPACE,)}  # fmt: skip
 
 
-@functools.lru_cache(maxsize=32)
-def _validator(schema_text: str):
-    import jsonschema
-
-    schema = json.loads(schema_text)
-    return jsonschema.validators.validator_for(schema)(schema)
-
-
 def final_check(schema_text: str, answer: str) -> str | None:
     """None when ``answer`` is valid JSON that satisfies the schema, else why not (one line).
     Called only for schemas that ``uses_keywords``: the grammar enforced everything else."""
@@ -379,7 +373,7 @@ def final_check(schema_text: str, answer: str) -> str | None:
         value = json.loads(answer)
     except ValueError as e:
         return f"the answer is not JSON ({e})"
-    error = next(iter(_validator(schema_text).iter_errors(value)), None)
+    error = next(iter(answer_validator(schema_text).iter_errors(value)), None)
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "the top level"

@@ -150,11 +150,18 @@ def test_engine_core_step_is_schedule_execute_update():
     ]  # fmt: skip
 
 
-def test_an_answer_the_validator_cannot_check_ends_its_request(smollm2_tokenizer):
-    """The check after generation (a schema with oneOf) over an answer jsonschema cannot
-    evaluate — multipleOf 0.5 of a 330-digit number raises OverflowError inside it: the
-    request ends in an error naming that, where the engine thread died of it."""
+def test_an_answer_the_validator_cannot_check_ends_its_request(smollm2_tokenizer, monkeypatch):
+    """The check after generation (a schema with oneOf) raising — jsonschema's multipleOf
+    over a 330-digit number raised OverflowError before answer_validator.py read it exactly;
+    here the check is made to raise so: the request ends in an error naming that, where the
+    engine thread died of it."""
+    from tinyserve.engine import output_processor
     from tinyserve.sampling_params import StructuredOutputsParams
+
+    def overflowing(schema, text):
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(output_processor, "final_check", overflowing)
 
     schema = {"type": "object", "required": ["qty", "kind"], "properties": {
         "qty": {"type": "number", "multipleOf": 0.5},

@@ -103,7 +103,8 @@ class Matcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this matcher's allowed set into ``bitmask[row]``. A matcher the library put
-        in an error state (a step over its fuel limit) allows only EOS, so the request ends."""
+        in an error state (a step over its fuel limit, a dead end) allows only EOS, which
+        ``accept_tokens`` then refuses too: the request ends in an error naming it."""
         # What llguidance.torch.fill_next_token_bitmask does; that module is not imported: it
         # wraps a helper in torch.compile at import, which loads torch._dynamo (~3.4 s of a
         # 13 s server start on 2 Zen 3 cores, measured with py-spy).

@@ -86,6 +86,16 @@ class SchedulerUpdate:
     new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
+def count_cached(per_prompt: dict[int, int], prompt_index: int, num_cached: int) -> int:
+    """A request's cached prompt tokens as its usage reports them: each prompt once, as
+    ``prompt_tokens`` counts it, at the fewest its choices found cached — the cache as the
+    request found it (with n > 1 a choice may hit the blocks its sibling just computed;
+    that was not a cache hit). Records one choice's count in ``per_prompt``; returns the
+    total."""
+    per_prompt[prompt_index] = min(per_prompt.get(prompt_index, num_cached), num_cached)
+    return sum(per_prompt.values())
+
+
 @dataclass
 class Usage:
     """A request's token counts: each prompt once (whatever ``n``), every choice's output."""

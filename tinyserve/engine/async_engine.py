@@ -280,7 +280,6 @@ class AsyncEngine:
     def _record(self, state: _RequestState, out: StepOutput, now: float) -> None:
         timing = state.timing
         timing.num_prompt_tokens = out.num_prompt_tokens or timing.num_prompt_tokens
-        timing.num_cached_tokens = max(timing.num_cached_tokens, out.num_cached_tokens)
         if not out.new_token_ids:
             return
         state.output_tokens[out.index] = out.num_output_tokens

@@ -85,7 +85,6 @@ class RequestTiming:
     arrival_time: float
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
     finish_reason: str | None = None

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tinyserve.engine.detokenizer import IncrementalDetokenizer
-from tinyserve.outputs import ModelRunnerOutput, StepOutput, Usage
+from tinyserve.outputs import ModelRunnerOutput, StepOutput, Usage, count_cached
 from tinyserve.request import Request, RequestStatus
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.structured.schema_approx import final_check, needs_final_check
@@ -61,18 +61,11 @@ class ParentRequest:
     live: set[str]
     usage: Usage
     detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
-    cached: dict[int, int] = field(default_factory=dict)  # per prompt: its choices' fewest
+    cached: dict[int, int] = field(default_factory=dict)  # outputs.count_cached's
 
     @property
     def finished(self) -> bool:
         return not self.live
-
-    def count_cached(self, prompt_index: int, num_cached: int) -> None:
-        """``usage.cached_tokens``: each prompt once, as ``prompt_tokens`` counts it, at what
-        its choices found cached the least — the cache as the request found it (with n > 1
-        a choice may hit the blocks its sibling just computed; that was not a cache hit)."""
-        self.cached[prompt_index] = min(self.cached.get(prompt_index, num_cached), num_cached)
-        self.usage.cached_tokens = sum(self.cached.values())
 
 
 @dataclass
@@ -196,7 +189,8 @@ class OutputProcessor:
         if req.sampling_params.prompt_logprobs is not None and num_output == len(new_ids):
             prompt_lps = [None, *req.prompt_logprobs]
         parent.usage.completion_tokens += len(new_ids)
-        parent.count_cached(req.index // parent.n, req.num_cached_tokens)
+        parent.usage.cached_tokens = count_cached(parent.cached, req.index // parent.n,
+                                                  req.num_cached_tokens)  # fmt: skip
         prediction = req.sampling_params.prediction
         if prediction is not None and finish_reason is not None:
             parent.usage.count_prediction(prediction, req.output_token_ids[:num_output])

@@ -24,7 +24,7 @@ from tinyserve.engine.client import (
 )
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError
-from tinyserve.outputs import StepOutput, TokenLogprob, Usage
+from tinyserve.outputs import StepOutput, TokenLogprob, Usage, count_cached
 
 # Inputs larger than this (characters of text or message content) are templated and
 # tokenised in a worker thread instead of on the event loop.
@@ -107,11 +107,9 @@ class ChunkFrame:
         async for out in outputs(stream):
             self.usage = out.usage or self.usage
             self.counts[out.index] = out.num_output_tokens
-            # As the engine's usage counts them (output_processor.ParentRequest.count_cached).
-            pi = out.prompt_index
-            self.cached_by_prompt[pi] = min(self.cached_by_prompt.get(pi, out.num_cached_tokens),
-                                            out.num_cached_tokens)  # fmt: skip
-            self.cached = sum(self.cached_by_prompt.values())
+            self.cached = count_cached(
+                self.cached_by_prompt, out.prompt_index, out.num_cached_tokens
+            )  # as the final usage counts them
             for chunk in per_output(out, finish_reason_of(out)):
                 yield self.mark(chunk)
         if self.job.include_usage:

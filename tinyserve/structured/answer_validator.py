@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+from fractions import Fraction
+
+import regex
 
 
 @functools.lru_cache(maxsize=32)
@@ -34,8 +37,6 @@ def _tuple_items(node) -> bool:
 
 
 def _multiple_of(validator, step, instance, schema):
-    from fractions import Fraction
-
     from jsonschema import ValidationError
 
     if not validator.is_type(instance, "number") or isinstance(instance, bool):
@@ -49,7 +50,6 @@ def _multiple_of(validator, step, instance, schema):
 
 
 def _pattern(validator, pattern, instance, schema):
-    import regex
     from jsonschema import ValidationError
 
     if not validator.is_type(instance, "string"):

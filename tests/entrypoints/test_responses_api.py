@@ -202,6 +202,25 @@ def test_text_format_json_schema(oai):
     assert isinstance(parsed.output_parsed, City)
 
 
+def test_tools_beside_a_text_format_parse_with_the_sdk(oai):
+    """The Agents SDK over /v1/responses sends an agent's tools and output type together (a
+    400 before): each answer is calls or the format's JSON, which the SDK's parse reads."""
+    kinds = set()
+    for seed in range(5):
+        r = oai.responses.parse(model=MODEL, input="Is it sunny in Paris?", tools=[WEATHER],
+                                text_format=City, max_output_tokens=80, temperature=1.0,
+                                extra_body={"seed": seed})  # fmt: skip
+        assert r.status in ("completed", "incomplete")
+        types = {o.type for o in r.output}
+        if r.status == "completed" and types == {"message"}:
+            kinds.add("answer")
+            assert isinstance(r.output_parsed, City)
+        elif "function_call" in types:
+            kinds.add("call")
+            assert types == {"function_call"}
+    assert kinds == {"answer", "call"}, kinds
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [

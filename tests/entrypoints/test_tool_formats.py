@@ -25,7 +25,7 @@ from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.chat_template import render_chat
 from tinyserve.entrypoints.llm import LLM
-from tinyserve.entrypoints.tool_formats import MarkedFormat, calls_check, tool_format
+from tinyserve.entrypoints.tool_formats import HermesFormat, MarkedFormat, calls_check, tool_format
 from tinyserve.entrypoints.tool_stream_marked import collect_calls
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyserve.structured.backend import GrammarBackend
@@ -283,6 +283,29 @@ def test_forced_calls_come_back_as_tool_calls_that_validate(family_server):
     assert finished, name  # compact JSON: calls end well within max_tokens
 
 
+def test_auto_beside_a_response_format_is_a_call_or_that_json(family_server):
+    name, server = family_server
+    finished = 0
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0) as c:
+        request = dict(model=server.async_engine.info.model_name, tools=[WEATHER, TIME],
+                       messages=[*SYSTEM, {"role": "user", "content": "Weather?"}],
+                       response_format={"type": "json_schema", "json_schema": {
+                           "name": "v", "schema": VERDICT, "strict": True}},
+                       max_tokens=60, temperature=1.0)  # fmt: skip
+        for seed in range(4):
+            choice = c.chat.completions.create(seed=seed, **request).choices[0]
+            if choice.finish_reason == "length":
+                continue
+            finished += 1
+            if choice.finish_reason == "stop":
+                assert not choice.message.tool_calls, (name, choice)
+                jsonschema.validate(json.loads(choice.message.content), VERDICT)
+            else:
+                assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        same_when_streamed(c, range(2), **request)  # streamed: the same answers
+    assert finished, name
+
+
 # uniqueItems is no grammar's: dropped from the call's grammar, checked on the finished call.
 PAIR = {"type": "function", "function": {"name": "pair", "parameters": {
     "type": "object", "properties": {"xs": {"type": "array", "items": {"const": 1},
@@ -317,3 +340,50 @@ def test_a_call_breaking_a_dropped_keyword_is_a_400_streamed_or_not(family_serve
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
     assert errors and "'uniqueItems'" in errors[0]["message"], events[-3:]
+
+
+# Tools beside a JSON response format (the OpenAI Agents SDK's agent with an output type):
+# under ``auto`` the answer without calls is that JSON, in each family's form; calls as before.
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}  # fmt: skip
+ANSWER_CASES = [  # (template or "hermes", text, accepted)
+    *[(name, text, ok)
+      for name, call in (("mistralai-Mistral-Nemo-Instruct-2407", MISTRAL_CALL),
+                         ("ibm-granite-granite-3.3-2B-Instruct", "<|tool_call|>" + TWO),
+                         (NAMED, NAMED_CALL), ("meta-llama-Llama-3.2-3B-Instruct", LLAMA_CALL),
+                         ("hermes", '<tool_call>\n{"name": "get_time", "arguments": '
+                                    '{"tz": "UTC"}}\n</tool_call>'))
+      for text, ok in (('{"ok": true}', True), (call, True), ("Hello there", False),
+                       ('{"ok": 1}', False), ('{"ok": true, "why": "x"}', False))],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, text, ok", ANSWER_CASES)
+def test_auto_with_a_json_answer_takes_that_json_or_calls(templated, smollm2_tokenizer, name,
+                                                          text, ok):  # fmt: skip
+    tokenizer = smollm2_tokenizer if name == "hermes" else templated(name)
+    fmt = tool_format(tokenizer) if name != "hermes" else HermesFormat()
+    grammar = fmt.grammar(TOOLS, "auto", True, False, VERDICT)
+    backend = GrammarBackend(tokenizer, vocab_size=len(tokenizer))
+    matcher = backend.matcher(backend.compile(StructuredOutputSpec("grammar", grammar, "tools")))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert matcher.accept_tokens(ids + [tokenizer.eos_token_id]) == ok, grammar
+    if ok:  # the answer parses back as content (the JSON) or as the calls
+        content, calls = fmt.parse(text)
+        assert (content, calls == []) == (text, True) or (calls and not content)
+    required = backend.matcher(backend.compile(StructuredOutputSpec(
+        "grammar", fmt.grammar(TOOLS, "required", True, False, None), "tools")))  # fmt: skip
+    assert not required.accept_tokens(
+        tokenizer.encode('{"ok": true}', add_special_tokens=False) + [tokenizer.eos_token_id]
+    )
+
+
+def test_calls_check_checks_a_json_answer_without_calls():
+    """A response format's keyword the grammar drops (uniqueItems) is checked on the answer
+    that is not a call; calls are checked by their own tools' schemas."""
+    pair = PAIR["function"]["parameters"]
+    check = calls_check(MISTRAL, TOOLS, answer=pair)
+    why = check('{"xs": [1, 1]}')
+    assert why is not None and "'uniqueItems'" in why
+    assert check(MISTRAL_CALL) is None
+    assert calls_check(MISTRAL, TOOLS, answer=VERDICT) is None  # nothing dropped

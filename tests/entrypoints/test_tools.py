@@ -106,7 +106,7 @@ def test_streamed_envelope_equals_the_non_streamed_one(oai, choice):
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
           {"type": "array"}}}]}, "object schema"),
-        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400s(server, extra, words):
@@ -155,3 +155,48 @@ def test_tools_whose_parameters_use_defs_and_refs(oai):
         _check_call(call, tool)
         calls += 1
     assert calls >= 1
+
+
+VERDICT = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+           "sunny": {"type": "boolean"}}, "required": ["city", "sunny"],
+           "additionalProperties": False}  # fmt: skip
+VERDICT_FORMAT = {"type": "json_schema",
+                  "json_schema": {"name": "Verdict", "schema": VERDICT, "strict": True}}  # fmt: skip
+
+
+def test_tools_beside_a_response_format_answer_in_that_json_or_call(oai):
+    """The OpenAI Agents SDK sends an agent's tools and its output type's response_format
+    together (it was a 400): under ``auto`` the answer is a call or the format's JSON, never
+    free text; streamed, the same; a forced call is a call whatever the format."""
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+                   temperature=1.0, response_format=VERDICT_FORMAT)  # fmt: skip
+    kinds = set()
+    for seed in range(6):
+        c = oai.chat.completions.create(seed=seed, **request).choices[0]
+        if c.finish_reason == "tool_calls":
+            kinds.add("call")
+            for call in c.message.tool_calls:
+                _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+        elif c.finish_reason == "stop":
+            kinds.add("answer")
+            assert not c.message.tool_calls
+            jsonschema.validate(json.loads(c.message.content), VERDICT)
+    assert kinds == {"call", "answer"}, kinds  # both happen: the test sees each kind
+    assert same_when_streamed(oai, range(4), **request) >= 2
+    for fmt in (VERDICT_FORMAT, {"type": "json_object"}):
+        c = oai.chat.completions.create(**{**request, "response_format": fmt}, seed=0,
+                                        tool_choice="required").choices[0]  # fmt: skip
+        assert c.message.tool_calls and c.message.content is None  # (cut: "length")
+
+
+def test_tools_beside_json_object_answer_an_object_or_call(oai):
+    for seed in range(4):
+        c = oai.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, seed=seed,
+            temperature=1.0, response_format={"type": "json_object"}, tool_choice="auto",
+        ).choices[0]  # fmt: skip
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict) and not c.message.tool_calls
+        else:
+            assert c.finish_reason in ("tool_calls", "length")
+            assert c.finish_reason == "length" or c.message.tool_calls

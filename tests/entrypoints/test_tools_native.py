@@ -19,6 +19,7 @@ from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.entrypoints import tools as T
+from tinyserve.entrypoints.tool_formats import hermes_grammar
 from tinyserve.structured.backend import GrammarBackend
 from tinyserve.structured.spec import StructuredOutputSpec
 from tinyserve.testing.server import serve
@@ -129,7 +130,7 @@ def test_native_parsers():
 
 def _matcher(tokenizer, choice, parallel=True):
     backend = GrammarBackend(tokenizer, vocab_size=len(tokenizer))
-    grammar = T.hermes_grammar([T.Tool.model_validate(t) for t in (WEATHER, TIME)], choice,
+    grammar = hermes_grammar([T.Tool.model_validate(t) for t in (WEATHER, TIME)], choice,
                                parallel)  # fmt: skip
     compiled = backend.compile(StructuredOutputSpec("grammar", grammar, "tools"))
     return backend, lambda: backend.matcher(compiled)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 
 import pytest
 
@@ -54,6 +55,13 @@ def envelope(rng: random.Random) -> str:
     return _dumps(rng, {"tool_calls": [_call(rng) for _ in range(rng.randint(1, 3))]})
 
 
+def envelope_json(rng: random.Random) -> str:
+    """A response format beside the tools: the content is any JSON value (its text)."""
+    if rng.random() < 0.4:
+        return _dumps(rng, {"content": _value(rng)})
+    return envelope(rng)
+
+
 def hermes(rng: random.Random) -> str:
     def text() -> str:
         return "".join(rng.choice(TEXT_BITS) for _ in range(rng.randrange(6)))
@@ -95,8 +103,9 @@ def streamed(parser, text: str, rng: random.Random, finish: str = "stop"):
 
 @pytest.mark.parametrize(
     "make, stream, parse",
-    [(envelope, EnvelopeStream, T.parse_output), (hermes, HermesStream, T.parse_native)],
-)
+    [(envelope, EnvelopeStream, T.parse_output), (hermes, HermesStream, T.parse_native),
+     (envelope_json, partial(EnvelopeStream, True), partial(T.parse_output, json_answer=True))],
+)  # fmt: skip
 def test_streamed_deltas_add_up_to_the_non_streamed_parse(make, stream, parse):
     rng = random.Random(0)
     seen_calls = seen_text = long_calls = fragmented = 0

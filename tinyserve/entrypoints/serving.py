@@ -18,6 +18,7 @@ token strings for logprobs. Templating and tokenising of large inputs run in a w
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Job:
     include_usage: bool = False  # stream_options.include_usage
     continuous_usage: bool = False  # and vLLM's continuous_usage_stats: usage on every chunk
     tools: list[T.Tool] = field(default_factory=list)
+    json_answer: bool = False  # tools with a JSON response format: the answer without calls
 
 
 class OpenAIServing:
@@ -225,7 +227,9 @@ class OpenAIServing:
     ) -> StructuredOutputsParams | None:
         """The request's one constraint: its response format (``fmt``, from the API's field
         ``fmt_field``), vLLM's ``structured_outputs``, or the tools' grammar — a 400 when it
-        asks for two."""
+        asks for two. Tools with a JSON response format (as the OpenAI Agents SDK sends an
+        agent's output type): under ``auto`` the answer that is not a call is that JSON;
+        a call is forced otherwise, and the format is for a later answer."""
         so = structured_outputs_field(req.structured_outputs)
         if fmt is not None and so is not None:
             raise bad_request(
@@ -234,24 +238,26 @@ class OpenAIServing:
             )
         if not tools:
             return with_json_options(fmt or so, req.structured_outputs, self.json_layout)
-        if fmt is not None or so is not None:
-            raise bad_request(f"tools: cannot be combined with {fmt_field}", "tools")
-        if req.structured_outputs is not None:  # its JSON options alone: not for tool calls
+        if so is not None or req.structured_outputs is not None:  # nor its JSON options
             raise bad_request("tools: cannot be combined with structured_outputs", "tools")
-        return self.tools_constraint(tools, tool_choice, parallel_tool_calls)
+        answer = json_answer_schema(fmt) if tool_choice in (None, "auto") else None
+        return self.tools_constraint(tools, tool_choice, parallel_tool_calls, answer)
 
     def tools_constraint(
-        self, tools: list[T.Tool], tool_choice: T.ToolChoice | None, parallel_tool_calls: bool
+        self,
+        tools: list[T.Tool],
+        tool_choice: T.ToolChoice | None,
+        parallel_tool_calls: bool,
+        answer: dict | None = None,
     ) -> StructuredOutputsParams:
-        """The grammar of the tools' calls (and, with ``auto``, of text instead)."""
-        fmt = tool_format(self.tokenizer)
+        """The grammar of the tools' calls (and, with ``auto``, of text instead: of the JSON
+        schema ``answer`` where one is given)."""
+        fmt, open_args = tool_format(self.tokenizer), self.open_tool_arguments
         if fmt is not None:  # the calls in the template's own format (tool_formats.py)
-            grammar = fmt.grammar(tools, tool_choice, parallel_tool_calls,
-                                  self.open_tool_arguments)  # fmt: skip
-            check = calls_check(fmt, tools, self.open_tool_arguments)
+            grammar = fmt.grammar(tools, tool_choice, parallel_tool_calls, open_args, answer)
+            check = calls_check(fmt, tools, open_args, answer)
             return StructuredOutputsParams(grammar=grammar, field="tools", answer_check=check)
-        schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls,
-                                   self.open_tool_arguments)  # fmt: skip
+        schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls, open_args, answer)
         return StructuredOutputsParams(json=schema, field="tools")
 
     @staticmethod
@@ -262,26 +268,25 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e, "tool_choice" if "tool_choice" in str(e) else "tools") from None
 
-    def parse_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
-        """A whole answer's content and calls."""
+    def parse_tools(self, text: str, json_answer: bool = False) -> tuple[str | None, list]:
+        """A whole answer's content and calls (``json_answer``: a response format's JSON
+        where there is no call, as ``Job.json_answer``)."""
         fmt = tool_format(self.tokenizer)
-        return fmt.parse(text) if fmt is not None else T.parse_output(text)
+        return fmt.parse(text) if fmt is not None else T.parse_output(text, json_answer)
 
     def answer_tools(self, job: Job, text: str, finish: str | None) -> tuple[str | None, list]:
         """Content and calls: parsed when finished, as far as they got when cut; else text."""
-        if job.tools and finish in ("stop", "length"):
-            return (self.parse_tools if finish == "stop" else self.parse_cut_tools)(text)
+        if job.tools and finish == "stop":
+            return self.parse_tools(text, job.json_answer)
+        if job.tools and finish == "length":  # as the stream parser sent it: a cut call
+            parser = self.tool_stream(job.json_answer)  # stays a call, not raw JSON
+            return collect_calls(parser.feed(text) + parser.finish("length"))
         return text, []
 
-    def parse_cut_tools(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
-        """A cut answer as the stream parser sent it: a cut call stays a call, not raw JSON."""
-        parser = self.tool_stream()
-        return collect_calls(parser.feed(text) + parser.finish("length"))
-
-    def tool_stream(self) -> ToolStream:
+    def tool_stream(self, json_answer: bool = False) -> ToolStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools``."""
         fmt = tool_format(self.tokenizer)
-        return fmt.stream() if fmt is not None else EnvelopeStream()
+        return fmt.stream() if fmt is not None else EnvelopeStream(json_answer)
 
     def tool_decoding(self, tools: list[T.Tool]) -> dict[str, Any]:
         """Sampling settings the tools' format needs: its marker is a special token that
@@ -308,6 +313,22 @@ class OpenAIServing:
             if len(self._token_str_cache) < 200_000:
                 self._token_str_cache[token_id] = s
         return s
+
+
+def answers_json(tools: list, fmt: StructuredOutputsParams | None, choice) -> bool:
+    """Whether an answer without calls is a response format's JSON (``Job.json_answer``)."""
+    return bool(tools) and fmt is not None and choice in (None, "auto")
+
+
+def json_answer_schema(fmt: StructuredOutputsParams | None) -> dict | None:
+    """The JSON schema a response format asks of an answer beside tools (``json_object``:
+    any object); None without one. Regex, choice or grammar formats come only through
+    ``structured_outputs``, which tools do not take."""
+    if fmt is None:
+        return None
+    if fmt.json_object:
+        return {"type": "object"}
+    return json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json
 
 
 def format_constraint(

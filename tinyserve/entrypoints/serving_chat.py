@@ -19,7 +19,13 @@ from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints.protocol import bad_request
-from tinyserve.entrypoints.serving import Job, OpenAIServing, ToolStream, response_format
+from tinyserve.entrypoints.serving import (
+    Job,
+    OpenAIServing,
+    ToolStream,
+    answers_json,
+    response_format,
+)
 from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
 from tinyserve.outputs import StepOutput, Usage
 
@@ -52,7 +58,8 @@ class ChatServing(OpenAIServing):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise bad_request(f"top_logprobs: must be in [0, 20], got {req.top_logprobs}")
         tools = self.checked_tools(req.tools, req.tool_choice)
-        so = self.constraint(req, response_format(req), "response_format", tools,
+        fmt = response_format(req)
+        so = self.constraint(req, fmt, "response_format", tools,
                              req.tool_choice, req.parallel_tool_calls)  # fmt: skip
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
@@ -77,6 +84,7 @@ class ChatServing(OpenAIServing):
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
             tools=tools, thinks=thinks, thinking_open=bool(opened),
+            json_answer=answers_json(tools, fmt, req.tool_choice),
         )  # fmt: skip
 
     def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
@@ -145,7 +153,7 @@ class ChatServing(OpenAIServing):
         if job.tools:
             parser = job.parsers.get(out.index)
             if parser is None:
-                parser = job.parsers[out.index] = self.tool_stream()
+                parser = job.parsers[out.index] = self.tool_stream(job.json_answer)
             events = parser.feed(text)
             events += parser.finish(finish) if finish is not None else []
             if not events and out.logprobs and lp is not None:

@@ -32,7 +32,7 @@ from tinyserve.entrypoints.protocol_responses import (
     response_head,
 )
 from tinyserve.entrypoints.responses_stream import Event, ResponseBuilder, new_id
-from tinyserve.entrypoints.serving import Job, OpenAIServing, format_constraint
+from tinyserve.entrypoints.serving import Job, OpenAIServing, answers_json, format_constraint
 from tinyserve.entrypoints.streaming import (
     Choice,
     engine_error,
@@ -64,7 +64,7 @@ class ResponsesServing(OpenAIServing):
         except OpenAIError as e:
             raise _in_own_terms(e) from None
         if job.stream:
-            parser = self.tool_stream() if job.tools else None
+            parser = self.tool_stream(job.json_answer) if job.tools else None
             return self.sse(self._events(job, stream, parser), typed=True)
         return JSONResponse(self.response(job, *await self.collect(raw, stream)))
 
@@ -73,10 +73,10 @@ class ResponsesServing(OpenAIServing):
         choice = req.chat_tool_choice()
         tools = self.checked_tools(req.chat_tools(), choice)
         fmt = req.text.format if req.text is not None else None
-        so = format_constraint(fmt.type if fmt else None, fmt.schema_ if fmt else None,
-                               "text.format", "text.format.schema",
-                               fmt.strict if fmt else None)  # fmt: skip
-        so = self.constraint(req, so, "text.format", tools, choice, req.parallel_tool_calls)
+        answer = format_constraint(fmt.type if fmt else None, fmt.schema_ if fmt else None,
+                                   "text.format", "text.format.schema",
+                                   fmt.strict if fmt else None)  # fmt: skip
+        so = self.constraint(req, answer, "text.format", tools, choice, req.parallel_tool_calls)
         params = self.sampling_params(
             req,
             max_tokens=req.max_output_tokens,
@@ -95,6 +95,7 @@ class ResponsesServing(OpenAIServing):
             opened = R.split_or_gate(self.tokenizer, prompt_ids, params)
             splitter = R.ReasoningSplitter(opened) if opened is not None else None
         return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
+                            json_answer=answers_json(tools, answer, choice),
                             builder=builder, splitter=splitter)  # fmt: skip
 
     def response(
@@ -102,7 +103,7 @@ class ResponsesServing(OpenAIServing):
     ) -> dict[str, Any]:
         (choice,) = choices
         # The whole text through the stream's parsers: the same items as when streamed.
-        parser = self.tool_stream() if job.tools else None
+        parser = self.tool_stream(job.json_answer) if job.tools else None
         list(_answer_events(job, parser, choice.text, choice.finish_reason))  # events dropped
         job.builder.finish(choice.finish_reason, usage)
         return dump(job.builder.response)

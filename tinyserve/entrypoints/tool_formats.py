@@ -67,12 +67,18 @@ class MarkedFormat:
     def keeps_special_tokens(self) -> bool:
         return any(i is not None for i in (self.marker_id, self.args_marker_id, self.id_marker_id))
 
-    def grammar(self, tools: list[T.Tool], choice, parallel: bool, open_args: bool) -> str:
+    def grammar(
+        self, tools: list[T.Tool], choice, parallel: bool, open_args: bool,
+        answer: dict | None = None,
+    ) -> str:  # fmt: skip
         """llguidance Lark: ``required`` / named, the answer is the calls; ``auto``, free text
-        until the marker, then calls (Llama 3.x: a call, or text that does not open one)."""
+        until the marker, then calls (Llama 3.x: a call, or text that does not open one). With
+        ``answer`` (a response format's schema), that JSON instead of text without calls."""
         many = parallel and not isinstance(choice, T.NamedToolChoice)
+        auto = choice in (None, "auto")
+        alone, rules = answer_rule(answer) if auto else ("TEXT", [])
         if self.args_marker:
-            return self._named_grammar(tools, choice in (None, "auto"), many, open_args)
+            return self._named_grammar(tools, auto, many, open_args, (alone, rules))
         defs: dict = {}
         one = T.call_schema(tools, defs, open_args, self.args_key)
         body = one if not self.array else {
@@ -81,21 +87,26 @@ class MarkedFormat:
         }  # fmt: skip
         schema = {"x-guidance": T.TOOL_JSON_OPTIONS, **({"$defs": defs} if defs else {}),
                   **fix_schema(body)}  # fmt: skip
-        lines = ["calls: %json " + json.dumps(schema)]
-        auto = choice in (None, "auto")
+        lines = ["calls: %json " + json.dumps(schema), *rules]
         if not self.marker:
-            lines.append("start: calls" + (" | TEXT" if auto else ""))
-            lines.append("TEXT: /(?s:([^{ \\t\\n\\r]|[ \\t\\n\\r]+[^{ \\t\\n\\r]).*)?/")
+            lines.append("start: calls" + (f" | {alone}" if auto else ""))
+            if alone == "TEXT":
+                lines.append("TEXT: /(?s:([^{ \\t\\n\\r]|[ \\t\\n\\r]+[^{ \\t\\n\\r]).*)?/")
             return "\n".join(lines)
         mark = _lark_literal(self.marker, self.marker_id)
-        if auto:
+        if auto and rules:  # the JSON or a call, no text before it (one lexer cannot end
+            lines.append(f"start: {alone} | {mark} calls")  # a lazy text and a JSON value)
+        elif auto:
             lines += ["start: TEXT | head calls", f"head[lazy]: TEXT {mark}",
                       "TEXT: /(?s:.*)/"]  # fmt: skip
         else:
             lines.append(f"start: {mark} calls")
         return "\n".join(lines)
 
-    def _named_grammar(self, tools: list[T.Tool], auto: bool, many: bool, open_args: bool) -> str:
+    def _named_grammar(
+        self, tools: list[T.Tool], auto: bool, many: bool, open_args: bool,
+        answer: tuple[str, list[str]] = ("TEXT", []),
+    ) -> str:  # fmt: skip
         """``MARKER name ARGS {arguments}`` per call, the calls back to back; where the
         template writes past calls with an id (``id_marker``), the model may write one too."""
         mark = _lark_literal(self.marker, self.marker_id)
@@ -115,7 +126,9 @@ class MarkedFormat:
         calls = "call"  # then at most MAX_PARALLEL_CALLS - 1 more, as the arrays' maxItems
         for _ in range(T.MAX_PARALLEL_CALLS - 1 if many else 0):
             calls = f"call ({mark} {calls})?"
-        if auto:
+        if auto and answer[1]:  # the JSON or calls (as ``grammar``)
+            lines += [f"start: {answer[0]} | {mark} {calls}", *answer[1]]
+        elif auto:
             lines += [f"start: TEXT | head {calls}", f"head[lazy]: TEXT {mark}",
                       "TEXT: /(?s:.*)/"]  # fmt: skip
         else:
@@ -172,8 +185,11 @@ class HermesFormat:
     name: str = "hermes"
     keeps_special_tokens: bool = False
 
-    def grammar(self, tools: list[T.Tool], choice, parallel: bool, open_args: bool) -> str:
-        return T.hermes_grammar(tools, choice, parallel, open_args)
+    def grammar(
+        self, tools: list[T.Tool], choice, parallel: bool, open_args: bool,
+        answer: dict | None = None,
+    ) -> str:  # fmt: skip
+        return hermes_grammar(tools, choice, parallel, open_args, answer)
 
     def stream(self) -> HermesStream:
         return HermesStream()
@@ -188,22 +204,69 @@ class HermesFormat:
 ToolFormat = MarkedFormat | HermesFormat
 
 
+def hermes_grammar(
+    tools: list[T.Tool],
+    choice: T.ToolChoice | None,
+    parallel: bool,
+    open_args: bool = False,
+    answer: dict | None = None,
+) -> str:
+    """A Lark grammar (llguidance's dialect) of ``<tool_call>`` blocks whose JSON is a valid
+    call. ``required`` / named: the output is the blocks. ``auto``: free text, until the model
+    writes ``<tool_call>``; from there a valid call must follow (``head`` is a lazy lexeme:
+    it ends at the first ``<tool_call>``, so text that goes on to the end never holds one).
+    With ``answer`` (a response format's schema): that JSON, or blocks from the start."""
+    many = parallel and not isinstance(choice, T.NamedToolChoice)
+    more = ""  # up to MAX_PARALLEL_CALLS calls, as the envelope's maxItems
+    for _ in range(T.MAX_PARALLEL_CALLS - 1 if many else 0):
+        more = f' ("\\n<tool_call>" call{more})?'
+    schema = {"x-guidance": T.TOOL_JSON_OPTIONS,
+              **fix_schema(T.call_schema(tools, None, open_args))}  # fmt: skip
+    lines = ['call: "\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"']
+    if choice in (None, "auto") and answer is not None:  # no text before a call: one lexer
+        alone, rules = answer_rule(answer)  # cannot end both a lazy text and a JSON value
+        lines += [f'start: {alone} | "<tool_call>" call{more}', *rules]
+    elif choice in (None, "auto"):
+        lines += [f"start: TEXT | head call{more}", 'head[lazy]: TEXT "<tool_call>"',
+                  "TEXT: /(?s:.*)/"]  # fmt: skip
+    else:
+        lines.append(f'start: "<tool_call>" call{more}')
+    return "\n".join(lines)
+
+
+def answer_rule(answer: dict | None) -> tuple[str, list[str]]:
+    """The Lark alternative to calls under ``auto``: free text (``TEXT``), or with a response
+    format's schema ``answer`` the JSON it asks for (``answer``, and its rule)."""
+    if answer is None:
+        return "TEXT", []
+    schema = {"x-guidance": T.TOOL_JSON_OPTIONS, **fix_schema(answer)}
+    return "answer", ["answer: %json " + json.dumps(schema)]
+
+
 def _lark_literal(text: str, token_id: int | None) -> str:
     """A marker in llguidance's Lark: its special token by id, else the text."""
     return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
 
-def calls_check(fmt: ToolFormat, tools: list[T.Tool], open_args: bool = False):
-    """The check of a finished answer's calls for the schema keywords their grammar narrows
-    or drops (structured/schema_approx.py), or None when no tool's parameters use one; the
-    envelope's JSON schema is checked by the output processor itself."""
+def calls_check(
+    fmt: ToolFormat, tools: list[T.Tool], open_args: bool = False, answer: dict | None = None
+):
+    """The check of a finished answer's calls (or, without calls, of its JSON ``answer``: a
+    response format's schema) for the schema keywords their grammar narrows or drops
+    (structured/schema_approx.py), or None when no schema uses one; the envelope's JSON
+    schema is checked by the output processor itself."""
     schemas = {t.function.name: json.dumps(T.parameters(t, open_args)) for t in tools}
     checked = {name: text for name, text in schemas.items() if needs_final_check(text)}
-    if not checked:
+    own = json.dumps(answer) if answer is not None else None
+    own = own if own is not None and needs_final_check(own) else None
+    if not checked and own is None:
         return None
 
-    def check(answer: str) -> str | None:
-        for call in fmt.parse(answer)[1]:
+    def check(text: str) -> str | None:
+        content, calls = fmt.parse(text)
+        if not calls and own is not None:
+            return final_check(own, content or "")
+        for call in calls:
             schema = checked.get(call.function.name)
             why = schema and final_check(schema, call.function.arguments)
             if why:

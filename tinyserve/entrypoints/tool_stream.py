@@ -110,16 +110,22 @@ class BufferedStream:
 
 
 class EnvelopeStream:
-    """``{"content": "..."}`` or ``{"tool_calls": [{"name", "arguments"}, ...]}``."""
+    """``{"content": "..."}`` or ``{"tool_calls": [{"name", "arguments"}, ...]}``; with
+    ``json_answer`` (a response format beside the tools), the content is the JSON text of
+    ``{"content": <a JSON value>}`` as generated."""
 
-    def __init__(self) -> None:
+    def __init__(self, json_answer: bool = False) -> None:
         self._scan = JsonScanner()
         self._d = _Deltas()
+        self._json_answer = json_answer
 
     def feed(self, text: str) -> list[Event]:
         events, _ = self._scan.feed(text)
         for kind, path, piece in events:
-            if path[:1] == ("content",) and kind == "str" and len(path) == 1:
+            if path[:1] == ("content",) and self._json_answer:
+                if kind == "raw":
+                    self._d.content(piece)
+            elif path[:1] == ("content",) and kind == "str" and len(path) == 1:
                 self._d.content(piece)
             elif len(path) >= 3 and path[0] == "tool_calls" and isinstance(path[1], int):
                 index, field = path[1], path[2]

@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyserve.structured.schema_fixes import fix_schema
 from tinyserve.structured.strict import closed_objects
 from tinyserve.utils.regex_size import check_regex, schema_patterns
 
@@ -124,7 +123,7 @@ def call_schema(
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                args_key: _relocated(parameters(t, open_args), i, defs),
+                args_key: _relocated(parameters(t, open_args), f"t{i}", defs),
             },
             "required": ["name", args_key],
             "additionalProperties": False,
@@ -140,15 +139,15 @@ def parameters(tool: Tool, open_args: bool = False) -> dict:
     return p if open_args else closed_objects(p)
 
 
-def _relocated(params: dict, i: int, defs: dict | None) -> dict:
-    """Tool ``i``'s parameters, placed inside the envelope: their ``$ref``s point at the
-    parameters' own root (``#``, ``#/$defs/X``, ``#/definitions/X``, ``#/properties/...``),
-    which inside the envelope is no longer the document's root. So such parameters become
-    ``$defs/t{i}`` of the envelope, their definitions ``$defs/t{i}__X``, and every ref is
-    rewritten to match (pydantic-made tool schemas use ``$defs`` for nested models)."""
+def _relocated(params: dict, own: str, defs: dict | None) -> dict:
+    """A schema (tool ``i``'s parameters, ``own`` = ``t{i}``), placed inside the envelope:
+    its ``$ref``s point at its own root (``#``, ``#/$defs/X``, ``#/definitions/X``,
+    ``#/properties/...``), which inside the envelope is no longer the document's root. So
+    such a schema becomes ``$defs/{own}`` of the envelope, its definitions ``$defs/{own}__X``,
+    and every ref is rewritten to match (pydantic-made schemas use ``$defs`` for nested
+    models)."""
     if defs is None or "$ref" not in json.dumps(params):
         return params
-    own = f"t{i}"
 
     def rewrite(node):
         if isinstance(node, list):
@@ -174,10 +173,15 @@ def _relocated(params: dict, i: int, defs: dict | None) -> dict:
 
 
 def envelope_schema(
-    tools: list[Tool], choice: ToolChoice | None, parallel: bool, open_args: bool = False
+    tools: list[Tool],
+    choice: ToolChoice | None,
+    parallel: bool,
+    open_args: bool = False,
+    answer: dict | None = None,
 ) -> dict:
     """The JSON schema the output must match (see the module docstring), written on one
-    line (TOOL_JSON_OPTIONS)."""
+    line (TOOL_JSON_OPTIONS). ``answer``: with ``auto``, the schema of the answer that is not
+    a call (a response format's): ``{"content": <that JSON value>}``, not a string."""
     defs: dict = {}
     one_call = call_schema(tools, defs, open_args)
     # A named tool_choice asks for one call of that function, as OpenAI answers it.
@@ -194,7 +198,8 @@ def envelope_schema(
     }  # fmt: skip
     root = {"x-guidance": TOOL_JSON_OPTIONS, **({"$defs": defs} if defs else {})}
     if choice in (None, "auto"):
-        text = {"type": "object", "properties": {"content": {"type": "string"}},
+        content = {"type": "string"} if answer is None else _relocated(answer, "answer", defs)
+        text = {"type": "object", "properties": {"content": content},
                 "required": ["content"], "additionalProperties": False}  # fmt: skip
         return {**root, "anyOf": [with_calls, text]}
     return {**root, **with_calls}
@@ -242,10 +247,11 @@ def loads(text: str) -> Any:
         return text
 
 
-def parse_output(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_output(text: str, json_answer: bool = False) -> tuple[str | None, list[ToolCall]]:
     """The envelope back into (content, tool calls). Text that is not an envelope (cut by
     max_tokens) comes back as content. Each call's ``arguments`` is the JSON text exactly as
-    generated (what a streamed call's fragments add up to)."""
+    generated (what a streamed call's fragments add up to); so is the content where it is a
+    response format's JSON answer (``json_answer``)."""
     try:
         value = json.loads(text)
     except ValueError:
@@ -256,6 +262,8 @@ def parse_output(text: str) -> tuple[str | None, list[ToolCall]]:
             raw_items = raw_children(raw_children(text)["tool_calls"])
             raw_args = [raw_children(r).get("arguments", "{}") for r in raw_items]
             return None, [_call(c["name"], a) for c, a in zip(items, raw_args, strict=True)]
+    if isinstance(value, dict) and json_answer and "content" in value:
+        return raw_children(text)["content"], []
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"], []
     return text, []
@@ -326,27 +334,6 @@ def native_messages(conversation: list[dict], messages) -> list[dict]:
             turn = {**turn, "tool_call_id": m.tool_call_id}
         out.append(turn)
     return out
-
-
-def hermes_grammar(
-    tools: list[Tool], choice: ToolChoice | None, parallel: bool, open_args: bool = False
-) -> str:
-    """A Lark grammar (llguidance's dialect) of ``<tool_call>`` blocks whose JSON is a valid
-    call. ``required`` / named: the output is the blocks. ``auto``: free text, until the model
-    writes ``<tool_call>``; from there a valid call must follow (``head`` is a lazy lexeme:
-    it ends at the first ``<tool_call>``, so text that goes on to the end never holds one)."""
-    many = parallel and not isinstance(choice, NamedToolChoice)
-    more = ""  # up to MAX_PARALLEL_CALLS calls, as the envelope's maxItems
-    for _ in range(MAX_PARALLEL_CALLS - 1 if many else 0):
-        more = f' ("\\n<tool_call>" call{more})?'
-    schema = {"x-guidance": TOOL_JSON_OPTIONS, **fix_schema(call_schema(tools, None, open_args))}
-    lines = ['call: "\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"']
-    if choice in (None, "auto"):
-        lines += [f"start: TEXT | head call{more}", 'head[lazy]: TEXT "<tool_call>"',
-                  "TEXT: /(?s:.*)/"]  # fmt: skip
-    else:
-        lines.append(f'start: "<tool_call>" call{more}')
-    return "\n".join(lines)
 
 
 def parse_native(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -123,6 +123,57 @@ def test_dates_are_the_ones_python_parses(backend, smollm2_tokenizer):
         assert _takes(backend, compiled, smollm2_tokenizer, text) == ok, text
 
 
+def _time_strings(rng):
+    """Times as a model might write them: mostly well-formed, some digits out of range."""
+    two = lambda hi: f"{rng.randrange(hi):02d}"  # noqa: E731
+    frac = rng.choice(["", "", ".5", ".123456", ".1234567", "."])
+    zone = rng.choice(["Z", "z", "", "+01:00", "-23:59", "+24:00", "+05:60", "+0100"])
+    return f"{two(26)}:{two(62)}:{two(62)}{frac}{zone}"
+
+
+@pytest.mark.parametrize("fmt", ["date-time", "time", "duration"])
+def test_times_and_durations_are_ones_pydantic_parses(backend, smollm2_tokenizer, fmt):
+    """format date-time / time / duration become patterns whose every string pydantic's
+    datetime / time / timedelta parse (pydantic models emit these formats for such fields):
+    llguidance's own took 2023-02-29, second 60 and durations past timedelta's range. Checked
+    over 20k random strings each; the compiled grammar refuses what it took before."""
+    import datetime
+    import random
+    import re
+
+    from pydantic import TypeAdapter
+
+    from tinyserve.structured.schema_fixes import FORMAT_PATTERNS
+
+    rx = re.compile(FORMAT_PATTERNS[fmt])
+    parse = TypeAdapter({"date-time": datetime.datetime, "time": datetime.time,
+                         "duration": datetime.timedelta}[fmt]).validate_python  # fmt: skip
+    rng = random.Random(0)
+    taken = 0
+    for _ in range(20_000):
+        if fmt == "duration":
+            parts = [f"{rng.choice([1, 12, 9999, 10**5, 10**9])}{u}"
+                     for u in rng.sample("YMWDHS", rng.randrange(1, 4))]  # fmt: skip
+            text = "P" + "".join(parts[:1]) + rng.choice(["", "T"]) + "".join(parts[1:])
+        else:
+            day = f"{rng.choice([1, 2023, 2024, 0])}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 32):02d}"
+            text = _time_strings(rng)
+            text = f"{day}{rng.choice('TT t')}{text}" if fmt == "date-time" else text
+        if rx.match(text):
+            taken += 1
+            parse(text)  # raises where the pattern took what pydantic refuses
+    assert taken > 1000, taken
+    compiled = backend.compile(StructuredOutputSpec.json_schema({"type": "string", "format": fmt}))
+    cases = {
+        "date-time": [("2024-02-29T23:59:59.5+01:00", True), ("2023-02-29T00:00:00Z", False),
+                      ("2023-01-01T00:00:60Z", False), ("0000-01-01T00:00:00Z", False)],
+        "time": [("12:30:00Z", True), ("23:59:60Z", False)],
+        "duration": [("P3DT12H30M5S", True), ("P2W", True), ("P1000000000D", False)],
+    }[fmt]  # fmt: skip
+    for text, ok in cases:
+        assert _takes(backend, compiled, smollm2_tokenizer, json.dumps(text)) == ok, text
+
+
 @pytest.mark.parametrize(
     "fmt, accepted, refused",
     [

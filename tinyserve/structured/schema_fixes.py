@@ -9,10 +9,15 @@ integer ``x`` and whose other bound lies less than 1 away (``exclusiveMinimum: 4
 a bound becomes the inclusive one a hair inside (``minimum: 40.00000004``): a value in that
 hair is the only thing lost.
 
-Dates (``format: "date"``): llguidance takes RFC 3339's four digits of year, 0000 included;
-Python's ``date.fromisoformat`` (what jsonschema's format checker and most clients parse
-dates with) refuses year 0. Such a string schema without a pattern of its own becomes the
-same dates by a pattern, years 0001-9999 (the leap-day rule written out).
+Dates and times (``format: "date"``, ``"date-time"``, ``"time"``, ``"duration"``): llguidance
+takes RFC 3339's shapes, digit by digit: year 0000, February 29 of any year (2023-02-29),
+second 60, any number of digits in a duration's parts. Python's ``date.fromisoformat`` and
+pydantic (what jsonschema's format checker and most clients parse them with: a pydantic
+model's ``datetime`` field is ``format: date-time``) refuse those, so a client's parse of a
+200 failed. Such a string schema without a pattern of its own becomes the values both take,
+by a pattern: years 0001-9999 with the leap-day rule written out, seconds 00-59 with at most
+6 digits of fraction, ``T`` and ``Z`` in capitals, offsets to +-23:59; durations as RFC
+3339's appendix A writes them, each number at most 4 digits (within pydantic's timedelta).
 """
 
 from __future__ import annotations
@@ -42,9 +47,8 @@ def _fix(schema):
     if out.get("type") != "integer":
         _tighten(out, "exclusiveMinimum", "minimum", ("maximum", "exclusiveMaximum"), +1)
         _tighten(out, "exclusiveMaximum", "maximum", ("minimum", "exclusiveMinimum"), -1)
-    if out.get("format") == "date" and "pattern" not in out:
-        del out["format"]
-        out["pattern"] = DATE_PATTERN
+    if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
     elif isinstance(out.get("format"), str) and out["format"] not in _FORMATS:
         _format(out)
     if isinstance(out.get("$schema"), str):
@@ -90,7 +94,18 @@ _YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _MONTH_DAY = (r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
               r"|02-(0[1-9]|1[0-9]|2[0-8]))")  # fmt: skip
-DATE_PATTERN = rf"^({_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)$"
+_DATE = rf"({_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_N = "[0-9]{1,4}"
+_DUR_TIME = rf"T({_N}H({_N}M({_N}S)?)?|{_N}M({_N}S)?|{_N}S)"
+_DUR_DATE = rf"({_N}D|{_N}M({_N}D)?|{_N}Y({_N}M({_N}D)?)?)"
+DATE_PATTERN = rf"^{_DATE}$"
+FORMAT_PATTERNS = {
+    "date": DATE_PATTERN,
+    "date-time": rf"^{_DATE}T{_TIME}$",
+    "time": rf"^{_TIME}$",
+    "duration": rf"^P({_DUR_DATE}({_DUR_TIME})?|{_DUR_TIME}|{_N}W)$",
+}
 
 
 def _number(v) -> bool:

@@ -174,6 +174,18 @@ def test_times_and_durations_are_ones_pydantic_parses(backend, smollm2_tokenizer
         assert _takes(backend, compiled, smollm2_tokenizer, json.dumps(text)) == ok, text
 
 
+def test_prefix_items_beside_additional_items_stay_a_tuple(backend, smollm2_tokenizer):
+    """2020-12's prefixItems with draft 7's additionalItems: the library dropped the tuple
+    (a string first where an integer must be); now additionalItems is the items after it."""
+    tuple_ = {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["x"]}],
+              "additionalItems": False}  # fmt: skip
+    compiled = backend.compile(StructuredOutputSpec.json_schema(tuple_))
+    for text, ok in (("[1]", True), ('[1, "x"]', True), ('["a"]', False), ('[1, "x", 2]', False)):
+        assert _takes(backend, compiled, smollm2_tokenizer, text) == ok, text
+    both = {**tuple_, "items": {"type": "integer"}}  # items already says it: kept
+    assert fix_schema(both) == {k: v for k, v in both.items() if k != "additionalItems"}
+
+
 @pytest.mark.parametrize(
     "fmt, accepted, refused",
     [

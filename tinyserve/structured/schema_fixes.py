@@ -9,6 +9,11 @@ integer ``x`` and whose other bound lies less than 1 away (``exclusiveMinimum: 4
 a bound becomes the inclusive one a hair inside (``minimum: 40.00000004``): a value in that
 hair is the only thing lost.
 
+Tuples written with 2020-12's ``prefixItems`` and draft 7's ``additionalItems`` (an
+LLM-written or hand-merged schema): the library ignored ``prefixItems`` then (``["a"]`` for an
+integer first item). ``additionalItems`` becomes 2020-12's ``items`` where there is none (a
+narrowing: 2020-12 ignores ``additionalItems``; draft 7 ignores ``prefixItems``), else dropped.
+
 Dates and times (``format: "date"``, ``"date-time"``, ``"time"``, ``"duration"``): llguidance
 takes RFC 3339's shapes, digit by digit: year 0000, February 29 of any year (2023-02-29),
 second 60, any number of digits in a duration's parts. Python's ``date.fromisoformat`` and
@@ -51,6 +56,9 @@ def _fix(schema):
         out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
     elif isinstance(out.get("format"), str) and out["format"] not in _FORMATS:
         _format(out)
+    if "prefixItems" in out and "additionalItems" in out:  # draft 7's word in 2020-12's
+        extra = out.pop("additionalItems")  # tuple: the library then dropped prefixItems
+        out.setdefault("items", extra)
     if isinstance(out.get("$schema"), str):
         _dialect(out)
     return out
@@ -95,7 +103,9 @@ _LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26
 _MONTH_DAY = (r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
               r"|02-(0[1-9]|1[0-9]|2[0-8]))")  # fmt: skip
 _DATE = rf"({_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
-_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_TIME = (
+    r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
 _N = "[0-9]{1,4}"
 _DUR_TIME = rf"T({_N}H({_N}M({_N}S)?)?|{_N}M({_N}S)?|{_N}S)"
 _DUR_DATE = rf"({_N}D|{_N}M({_N}D)?|{_N}Y({_N}M({_N}D)?)?)"

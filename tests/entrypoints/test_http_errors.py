@@ -18,6 +18,7 @@ from tinyserve.testing.sse import iter_data, sse_events
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 
 BAD_REQUESTS = [
@@ -45,6 +46,41 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": "maybe"}}, "-"),
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"messages": MSGS, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages.0"),  # rendered as an empty turn
+    (CHAT, {"messages": [{"role": "system", "content": None}, *MSGS]}, "messages.0"),
+    # A grammar the library refuses names its field (param was null).
+    (
+        CHAT,
+        {
+            "messages": MSGS,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "a",
+                    "schema": {"properties": {"a": {"$ref": "#/$defs/No"}}},
+                },
+            },
+        },
+        "response_format",
+    ),
+    (CHAT, {"messages": MSGS, "tools": [TOOL, TOOL]}, "tools"),  # which would a call mean?
+    # Named by the parameters' own ref, not the envelope's relocated one ('t0__No').
+    (
+        CHAT,
+        {
+            "messages": MSGS,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"properties": {"a": {"$ref": "#/$defs/No"}}},
+                    },
+                }
+            ],
+        },
+        "tools",
+    ),
     (COMP, {}, "prompt"),
     (COMP, {"prompt": []}, "prompt"),
     (COMP, {"prompt": ""}, "prompt"),

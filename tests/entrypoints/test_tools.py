@@ -107,6 +107,10 @@ def test_streamed_envelope_equals_the_non_streamed_one(oai, choice):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
           {"type": "array"}}}]}, "object schema"),
         ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"tools": [WEATHER, WEATHER]}, "'get_weather' is given twice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+          "properties": {"a": {"$ref": "#/$defs/No"}}, "$defs": {"N": {}}}}}]},
+         "$ref '#/$defs/No' does not resolve"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400s(server, extra, words):
@@ -200,3 +204,22 @@ def test_tools_beside_json_object_answer_an_object_or_call(oai):
         else:
             assert c.finish_reason in ("tool_calls", "length")
             assert c.finish_reason == "length" or c.message.tool_calls
+
+
+def test_refs_resolve_within_the_parameters_or_are_named():
+    from tinyserve.entrypoints.tools import Tool, check_tools
+
+    def tool(params):
+        return Tool.model_validate({"type": "function", "function": {"name": "f",
+                                                                     "parameters": params}})  # fmt: skip
+
+    fine = {"type": "object", "$defs": {"a/b": {"type": "integer"}, "~x": {}},
+            "properties": {"p": {"$ref": "#/$defs/a~1b"}, "q": {"$ref": "#/$defs/~0x"},
+                           "r": {"$ref": "#/properties/p"}, "s": {"$ref": "#"},
+                           "t": {"items": [{"type": "integer"}]},
+                           "u": {"$ref": "#/properties/t/items/0"},
+                           "v": {"const": {"$ref": "#/nowhere"}}}}  # data, not a schema  # fmt: skip
+    assert check_tools([tool(fine)], "auto")
+    for ref in ("#/$defs/a/b", "#/properties/t/items/1", "#/$defs/missing"):
+        with pytest.raises(ValueError, match="does not resolve"):
+            check_tools([tool({**fine, "properties": {"p": {"$ref": ref}}})], "auto")

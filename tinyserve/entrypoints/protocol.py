@@ -92,12 +92,13 @@ class _AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-_PARAM_RE = re.compile(r"^([a-z_]+)\b")
+_PARAM_RE = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)\b")
 _PARAM_NAMES = {
     "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "tokens",
-    "prompt_logprobs", "cache_salt",
+    "prompt_logprobs", "cache_salt", "response_format", "structured_outputs", "tools",
+    "tool_choice", "text.format", "prediction",
 }  # fmt: skip
 
 
@@ -235,6 +236,14 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     reasoning_content: str | None = None  # an assistant turn's thinking (the template's call)
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        """Only an assistant turn may leave ``content`` out (OpenAI's rule): a user turn
+        without it was rendered as an empty one."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: required in a {self.role!r} message")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -30,6 +30,7 @@ import json
 import re
 import uuid
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,6 +93,10 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
             raise ValueError("tool_choice: requires tools")
     if not tools or choice == "none":
         return []
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):  # a call names its function: which one would it be?
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"tools: function names must be unique ({twice!r} is given twice)")
     for t in tools:
         params = t.function.parameters
         if params is not None and params.get("type", "object") != "object":
@@ -100,12 +105,37 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
             )
         for pattern in schema_patterns(params):  # checked here: Hermes embeds them in Lark
             check_regex(pattern, "tools")
+        if (ref := _dangling_ref(params, params)) is not None:  # checked here: inside the
+            raise ValueError(  # envelope the library's message names our relocated $defs
+                f"tools: the parameters of {t.function.name!r}: $ref {ref!r} does not resolve"
+            )
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t.function.name == choice.function.name]
         if not named:
             raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools")
         return named
     return list(tools)
+
+
+def _dangling_ref(node: Any, root: Any) -> str | None:
+    """The first local ``$ref`` (``#...``) in ``node`` that points at nothing in ``root``."""
+    if isinstance(node, list):
+        return next((r for v in node if (r := _dangling_ref(v, root)) is not None), None)
+    if not isinstance(node, dict):
+        return None
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = root
+        for part in filter(None, ref[1:].split("/")):
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                return ref
+    return next((r for k, v in node.items() if k not in ("const", "enum", "default", "examples")
+                 and (r := _dangling_ref(v, root)) is not None), None)  # fmt: skip
 
 
 def call_schema(

@@ -272,11 +272,37 @@ def test_output_config_format_is_followed(claude, client):
     with claude.messages.stream(**kw) as stream:
         assert "".join(stream.text_stream) == m.content[0].text
     base = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    for extra in ({"output_config": {"format": {"type": "json_schema", "schema": schema},
-                                     "colour": "red"}},
-                  {"output_config": {"format": {"type": "json_schema", "schema": schema}},
-                   "tools": [WEATHER]}):  # fmt: skip
-        r = client.post("/v1/messages", json={**base, **extra})
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["type"] == "invalid_request_error"
-        assert "output_config" in r.json()["error"]["message"], r.text
+    extra = {"output_config": {"format": {"type": "json_schema", "schema": schema},
+                               "colour": "red"}}  # fmt: skip
+    r = client.post("/v1/messages", json={**base, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "output_config" in r.json()["error"]["message"], r.text
+
+
+def test_output_config_format_beside_tools_is_a_call_or_that_json(claude):
+    """A format beside tools (a 400 before): the answer is tool_use blocks or the format's
+    JSON as text, streamed the same."""
+    schema = {"type": "object", "properties": {"sunny": {"type": "boolean"}},
+              "required": ["sunny"], "additionalProperties": False}  # fmt: skip
+    kinds = set()
+    for ask in ("Is it sunny in Paris?", "Weather in Oslo?", "Is the sky blue?", "Say hi."):
+        kw = dict(model=MODEL, max_tokens=60, tools=[WEATHER],
+                  messages=[{"role": "user", "content": ask}],
+                  extra_body={"temperature": 0, "output_config": {
+                      "format": {"type": "json_schema", "schema": schema}}})  # fmt: skip
+        m = claude.messages.create(**kw)
+        if m.stop_reason == "tool_use":
+            kinds.add("call")
+            assert {b.type for b in m.content} == {"tool_use"}
+            with claude.messages.stream(**kw) as stream:
+                assert [b.input for b in stream.get_final_message().content] == [
+                    b.input for b in m.content
+                ]
+        elif m.stop_reason == "end_turn":
+            kinds.add("answer")
+            (block,) = m.content
+            jsonschema.validate(json.loads(block.text), schema)
+            with claude.messages.stream(**kw) as stream:
+                assert "".join(stream.text_stream) == block.text
+    assert kinds == {"call", "answer"}, kinds

@@ -18,7 +18,13 @@ from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailed
 from tinyserve.entrypoints import protocol_anthropic as A
 from tinyserve.entrypoints.http_guards import check_api_key
 from tinyserve.entrypoints.protocol import bad_request
-from tinyserve.entrypoints.serving import Job, OpenAIServing, format_constraint
+from tinyserve.entrypoints.serving import (
+    Job,
+    OpenAIServing,
+    answers_json,
+    format_constraint,
+    json_answer_schema,
+)
 from tinyserve.entrypoints.streaming import (
     Choice,
     engine_error,
@@ -46,15 +52,16 @@ class MessagesServing(OpenAIServing):
         prompt_ids, tools, choice, parallel = await self._prompt(req)
         if req.max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", "max_tokens")
-        so = self.tools_constraint(tools, choice, parallel) if tools else None
         fmt = req.output_config.format if req.output_config else None
         if fmt is not None:  # Anthropic's structured outputs: chat's json_schema format
-            if tools:
-                raise bad_request("output_config.format: cannot be combined with tools here",
-                                  "output_config.format")  # fmt: skip
-            so = format_constraint("json_schema", fmt.schema_, "output_config.format",
-                                   "output_config.format.schema")  # fmt: skip
-            so = with_json_options(so, None, self.json_layout)  # --json-pretty
+            fmt = format_constraint("json_schema", fmt.schema_, "output_config.format",
+                                    "output_config.format.schema")  # fmt: skip
+        json_answer = answers_json(tools, fmt, choice)  # beside tools: a call or that JSON
+        if tools:
+            so = self.tools_constraint(tools, choice, parallel,
+                                       json_answer_schema(fmt) if json_answer else None)  # fmt: skip
+        else:
+            so = with_json_options(fmt, None, self.json_layout)  # --json-pretty
         try:
             params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -66,7 +73,7 @@ class MessagesServing(OpenAIServing):
         except ValueError as e:
             raise bad_request(e) from None
         return Job(A.new_message_id(), [prompt_ids], params, stream=req.stream,
-                           tools=tools)  # fmt: skip
+                   tools=tools, json_answer=json_answer)  # fmt: skip
 
     async def _prompt(self, req: A.MessagesRequest) -> tuple[list[int], list, Any, bool]:
         req.check()
@@ -98,7 +105,7 @@ class MessagesServing(OpenAIServing):
         head = A.message(job.request_id, self.model_name, [], None, None, len(job.prompts[0]), 0)
         yield {"type": "message_start", "message": head}
         yield {"type": "ping"}
-        parser = self.tool_stream() if job.tools else None
+        parser = self.tool_stream(job.json_answer) if job.tools else None
         blocks, finish, stop, usage = _Blocks(), None, None, None
         try:
             async for out in outputs(stream):

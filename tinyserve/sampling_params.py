@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,7 +15,11 @@ from tinyserve.utils.regex_size import check_regex, schema_patterns
 _MAX_STOP_STRINGS = 64
 _MAX_STOP_STRING_LEN = 512
 _MAX_N = 16
+# Temperatures (vLLM's _SAMPLING_EPS and _MAX_TEMP): below 1e-5 greedy, below 1e-2 raised to
+# 1e-2 (a sharper one is greedy in all but float overflow); above 1e6 refused.
+_GREEDY_BELOW, _MIN_TEMPERATURE, _MAX_TEMPERATURE = 1e-5, 1e-2, 1e6
 _MAX_LOGPROBS = 20
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # ASCII digits only (int() takes ' 1', '١')
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("n", self.n, 1, _MAX_N)
         _check_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= _MAX_TEMPERATURE:  # 1e39 was inf in float32: -inf
+            raise ValueError(  # logits / inf = NaN, sampled as token 0 through any mask
+                f"temperature must be in [0, {_MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
+        if self.temperature < _GREEDY_BELOW:  # as vLLM: greedy; 1e-46 was 0 in float32
+            self.temperature = 0.0  # but sampled (T = 1) by the host's reading
+        elif self.temperature < _MIN_TEMPERATURE:  # as vLLM: logits / 1e-40 overflowed to
+            self.temperature = _MIN_TEMPERATURE  # ties of every positive logit
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -202,10 +213,10 @@ class SamplingParams:
 def _checked_bias(logit_bias: dict) -> dict[int, float]:
     bias: dict[int, float] = {}
     for k, v in logit_bias.items():
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        plain = isinstance(k, int) and not isinstance(k, bool)  # the offline API's ints
+        if not plain and not (isinstance(k, str) and _TOKEN_ID.fullmatch(k)):  # int() also
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")  # read "1_0"
+        tok = int(k)
         _check_float("logit_bias", v)
         if not -100.0 <= float(v) <= 100.0:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")

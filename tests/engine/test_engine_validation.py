@@ -26,6 +26,10 @@ MAX_MODEL_LEN = 32
     [
         ("temperature", -0.1),
         ("temperature", float("nan")),
+        ("temperature", 1e39),  # inf in float32: -inf / inf = NaN sampled token 0
+        ("logit_bias", {"1_0": 1.0}),  # int() read these as token 10
+        ("logit_bias", {" 10": 1.0}),
+        ("logit_bias", {"\u0661\u0660": 1.0}),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_p", -0.2),
@@ -39,6 +43,16 @@ MAX_MODEL_LEN = 32
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**{field: value})
+
+
+def test_tiny_temperatures_are_greedy_or_raised_as_vllm():
+    """Below 1e-5 greedy (1e-46 was 0 in the float32 column but sampled at T = 1 by the
+    host's reading, and differently alone and batched); below 1e-2 raised to 1e-2 (1e-40
+    overflowed logits / T into ties of every positive logit)."""
+    assert SamplingParams(temperature=1e-46).temperature == 0.0
+    assert SamplingParams(temperature=9e-6).temperature == 0.0
+    assert SamplingParams(temperature=1e-4).temperature == 0.01
+    assert SamplingParams(temperature=0.02).temperature == 0.02
 
 
 def test_edge_values_are_accepted():

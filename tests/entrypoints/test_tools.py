@@ -223,3 +223,19 @@ def test_refs_resolve_within_the_parameters_or_are_named():
     for ref in ("#/$defs/a/b", "#/properties/t/items/1", "#/$defs/missing"):
         with pytest.raises(ValueError, match="does not resolve"):
             check_tools([tool({**fine, "properties": {"p": {"$ref": ref}}})], "auto")
+
+
+@pytest.mark.parametrize("choice, stop", [("auto", [" the", "}"]), ("required", ["}"])])
+def test_a_stop_string_inside_the_envelope_never_sends_the_wrapper(oai, choice, stop):
+    """A stop string that cuts the envelope (ReAct agents send stop=["Observation:"]): the
+    answer is what the stream sent, the text inside {"content": ...} or the cut call, never
+    the raw wrapper as content (the non-streamed answer sent that, unlike the stream)."""
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Describe the sea."}],
+                   tools=[WEATHER], tool_choice=choice, max_tokens=80, temperature=1.0,
+                   stop=stop)  # fmt: skip
+    for seed in range(4):
+        c = oai.chat.completions.create(seed=seed, **request).choices[0]
+        assert not (c.message.content or "").lstrip().startswith(('{"content"', '{"tool_calls"'))
+        if c.finish_reason == "stop" and choice == "required":
+            assert c.message.tool_calls and c.message.content is None
+    same_when_streamed(oai, range(4), **request)

@@ -274,14 +274,21 @@ class OpenAIServing:
         fmt = tool_format(self.tokenizer)
         return fmt.parse(text) if fmt is not None else T.parse_output(text, json_answer)
 
-    def answer_tools(self, job: Job, text: str, finish: str | None) -> tuple[str | None, list]:
-        """Content and calls: parsed when finished, as far as they got when cut; else text."""
-        if job.tools and finish == "stop":
-            return self.parse_tools(text, job.json_answer)
-        if job.tools and finish == "length":  # as the stream parser sent it: a cut call
-            parser = self.tool_stream(job.json_answer)  # stays a call, not raw JSON
-            return collect_calls(parser.feed(text) + parser.finish("length"))
-        return text, []
+    def answer_tools(
+        self, job: Job, text: str, finish: str | None, stop_reason: int | str | None = None
+    ) -> tuple[str | None, list, str | None]:
+        """Content, calls and the finish reason (``tool_calls`` where calls end it): parsed
+        whole when the answer ended; as the stream parser sent them when cut (by max_tokens,
+        a stop string or a stop token): a cut call stays a call, and the envelope's text
+        its content, never the raw wrapper (a stop string inside it sent that as content)."""
+        if not job.tools or finish not in ("stop", "length"):
+            return text, [], finish
+        if finish == "stop" and stop_reason is None:
+            content, calls = self.parse_tools(text, job.json_answer)
+            return content, calls, "tool_calls" if calls else finish
+        parser = self.tool_stream(job.json_answer)
+        events = parser.feed(text) + parser.finish(finish)
+        return *collect_calls(events), events[-1][1]
 
     def tool_stream(self, json_answer: bool = False) -> ToolStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools``."""

@@ -94,9 +94,7 @@ class ChatServing(OpenAIServing):
             reasoning, text = None, c.text
             if job.thinks:
                 reasoning, text = R.split_reasoning(c.text, job.thinking_open)
-            content, calls = self.answer_tools(job, text or "", finish)
-            if calls and finish == "stop":
-                finish = "tool_calls"
+            content, calls, finish = self.answer_tools(job, text or "", finish, c.stop_reason)
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = L.chat_logprobs(c.logprobs, self.token_str)

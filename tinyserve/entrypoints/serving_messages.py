@@ -91,7 +91,7 @@ class MessagesServing(OpenAIServing):
         return {"input_tokens": len(prompt_ids)}
 
     def _answer(self, job: Job, c: Choice) -> tuple[list[dict[str, Any]], str, str | None]:
-        content, calls = self.answer_tools(job, c.text, c.finish_reason)
+        content, calls, _ = self.answer_tools(job, c.text, c.finish_reason, c.stop_reason)
         reason, sequence = A.stop_reason(c.finish_reason, c.stop_reason, bool(calls))
         return A.content_blocks(content, calls), reason, sequence
 

@@ -239,3 +239,20 @@ def test_a_stop_string_inside_the_envelope_never_sends_the_wrapper(oai, choice, 
         if c.finish_reason == "stop" and choice == "required":
             assert c.message.tool_calls and c.message.content is None
     same_when_streamed(oai, range(4), **request)
+
+
+@pytest.mark.parametrize("params", [None, {}, {"type": "object"}])
+def test_a_function_without_parameters_is_called_with_none(oai, params):
+    """OpenAI: omitting parameters defines a function with an empty parameter list. The
+    grammar had let the model invent arguments ('{"time": 1234567890123...')."""
+    fn = {"name": "get_time", **({"parameters": params} if params is not None else {})}
+    for seed in range(2):
+        c = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What time is it?"}],
+            tools=[{"type": "function", "function": fn}], tool_choice="required",
+            max_tokens=40, seed=seed, temperature=1.0, parallel_tool_calls=False,
+        ).choices[0]  # fmt: skip
+        assert c.finish_reason == "tool_calls"
+        assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [
+            ("get_time", "{}")
+        ]

@@ -164,8 +164,12 @@ def call_schema(
 
 
 def parameters(tool: Tool, open_args: bool = False) -> dict:
-    """A tool's arguments schema; closed (``closed_objects``) unless ``open_args``."""
-    p = tool.function.parameters or {"type": "object"}
+    """A tool's arguments schema; closed (``closed_objects``) unless ``open_args``. None,
+    ``{}`` or a bare object: no parameters (OpenAI: "omitting parameters defines a function
+    with an empty parameter list"): arguments ``{}``, where the model had invented some."""
+    p = tool.function.parameters or {}
+    if not set(p) - {"type", "title", "description", "$schema", "$id"}:
+        p = {**p, "type": "object", "properties": {}}
     return p if open_args else closed_objects(p)
 
 

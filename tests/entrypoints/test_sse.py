@@ -80,3 +80,32 @@ def test_continuous_usage_stats_count_as_they_go(client):
         assert counts == sorted(counts) and counts[-1] == 5
         assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
         assert chunks[-1]["choices"] == [] and chunks[-2]["usage"] == chunks[-1]["usage"]
+
+
+def test_a_lone_surrogate_escape_in_decoded_json_is_replaced_not_a_500(fake_server):
+    """Inside the tool envelope's content string (decoded for the client) or a tool_use
+    block's input, a model may write half an emoji's escape; UTF-8 cannot carry the lone
+    surrogate it decodes to (a 500, or a broken stream). It arrives as U+FFFD."""
+    import httpx
+
+    half = ['{"content": "hi \\ud83d', ' there"}']
+    call = ['{"tool_calls": [{"name": "f", "arguments": {"a": "x\\udc00"}}]}']
+    tool = {"type": "function", "function": {"name": "f"}}
+    with fake_server(script=half) as s:
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+                "tools": [tool], "max_tokens": 8}  # fmt: skip
+        r = httpx.post(s.url("/v1/chat/completions"), json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "hi \ufffd there"
+        with httpx.stream("POST", s.url("/v1/chat/completions"), json={**body, "stream": True},
+                          timeout=30) as st:  # fmt: skip
+            lines = [json.loads(x[6:]) for x in st.iter_lines() if x.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in lines if c["choices"])
+        assert text == "hi \ufffd there"
+    with fake_server(script=call) as s:
+        body = {"model": "fake-model", "max_tokens": 8, "tools": [
+            {"name": "f", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        r = httpx.post(s.url("/v1/messages"), json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["input"] == {"a": "x\ufffd"}

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tinyserve.engine.client import OutputStream
 from tinyserve.entrypoints import protocol as P
@@ -26,7 +26,13 @@ from tinyserve.entrypoints.serving import (
     answers_json,
     response_format,
 )
-from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
+from tinyserve.entrypoints.streaming import (
+    AnswerResponse,
+    Choice,
+    input_size,
+    off_loop,
+    usage_info,
+)
 from tinyserve.outputs import StepOutput, Usage
 
 
@@ -46,7 +52,7 @@ class ChatServing(OpenAIServing):
         stream = await self.submit(job, req)
         if job.stream:
             return self.sse(self.chunks(job, stream))
-        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
 
     async def prepare(self, req: P.ChatCompletionRequest) -> ChatJob:
         if req.top_logprobs is not None and not req.logprobs:

@@ -13,14 +13,20 @@ from functools import partial
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tinyserve.engine.client import OutputStream
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints.protocol import bad_request
 from tinyserve.entrypoints.serving import Job, OpenAIServing, response_format
-from tinyserve.entrypoints.streaming import Choice, input_size, off_loop, usage_info
+from tinyserve.entrypoints.streaming import (
+    AnswerResponse,
+    Choice,
+    input_size,
+    off_loop,
+    usage_info,
+)
 from tinyserve.outputs import StepOutput, TokenLogprob, Usage
 
 
@@ -48,7 +54,7 @@ class CompletionServing(OpenAIServing):
             raise
         if job.stream:
             return self.sse(self.chunks(job, stream))
-        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
 
     async def prepare(self, req: P.CompletionRequest) -> CompletionJob:
         if req.suffix:

@@ -26,6 +26,7 @@ from tinyserve.entrypoints.serving import (
     json_answer_schema,
 )
 from tinyserve.entrypoints.streaming import (
+    AnswerResponse,
     Choice,
     engine_error,
     finish_reason_of,
@@ -46,7 +47,7 @@ class MessagesServing(OpenAIServing):
         stream = await self.submit(job, req)
         if job.stream:
             return self.sse(self._events(job, stream), typed=True)
-        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
 
     async def prepare(self, req: A.MessagesRequest) -> Job:
         prompt_ids, tools, choice, parallel = await self._prompt(req)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailedError
 from tinyserve.entrypoints import reasoning as R
@@ -34,6 +34,7 @@ from tinyserve.entrypoints.protocol_responses import (
 from tinyserve.entrypoints.responses_stream import Event, ResponseBuilder, new_id
 from tinyserve.entrypoints.serving import Job, OpenAIServing, answers_json, format_constraint
 from tinyserve.entrypoints.streaming import (
+    AnswerResponse,
     Choice,
     engine_error,
     finish_reason_of,
@@ -66,7 +67,7 @@ class ResponsesServing(OpenAIServing):
         if job.stream:
             parser = self.tool_stream(job.json_answer) if job.tools else None
             return self.sse(self._events(job, stream, parser), typed=True)
-        return JSONResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
 
     async def prepare(self, req: ResponsesRequest, raw: Request) -> ResponsesJob:
         req.check_stateless()

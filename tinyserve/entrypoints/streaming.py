@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from tinyserve.engine.client import (
@@ -219,10 +221,30 @@ def sse(
     )
 
 
+# A surrogate code point in a str is a lone one (json.loads joins escaped pairs): a model
+# may write half an emoji's escape ("\\ud83d") inside a JSON string we decode (the tool
+# envelope's content, a tool_use block's input). UTF-8 cannot encode it (a 500, or a broken
+# stream); it becomes U+FFFD, as a broken byte sequence in text does.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def answer_json(content: Any) -> str:
+    """An answer's JSON text for the wire (UTF-8, lone surrogates replaced)."""
+    text = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+    return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text
+
+
+class AnswerResponse(JSONResponse):
+    """A JSON answer (``answer_json``)."""
+
+    def render(self, content: Any) -> bytes:
+        return answer_json(content).encode("utf-8")
+
+
 async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> AsyncIterator:
     try:
         async for event in events:
-            data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+            data = answer_json(event)
             yield {"event": event["type"], "data": data} if typed else data
     except (RequestFailedError, EngineDeadError) as e:
         yield json.dumps(engine_error(e).body())

@@ -100,6 +100,24 @@ def test_logprobs(oai):
     assert lp.text_offset[0] == 0
 
 
+def test_logprob_bytes_add_up_to_the_text_across_split_characters(oai, server):
+    """An emoji spans several byte tokens, each decoding to U+FFFD alone: ``bytes`` are the
+    tokens' own, so they join to the content (OpenAI's reason for the field); they were
+    U+FFFD's three bytes each. Streamed the same."""
+    text = "🎉é🎉 ok"
+    ids = server.async_engine.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # some character is split across tokens
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=20, logprobs=True,
+                   top_logprobs=1, extra_body={"structured_outputs": {"choice": [text]}})  # fmt: skip
+    chat = oai.chat.completions.create(**request)
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == text
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8") == text
+    streamed = [t for c in oai.chat.completions.create(**request, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]  # fmt: skip
+    assert [t.bytes for t in streamed] == [t.bytes for t in content]
+
+
 def test_echo(oai):
     comp = oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, echo=True)
     assert comp.choices[0].text.startswith("Hello there")

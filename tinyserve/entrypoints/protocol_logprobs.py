@@ -3,6 +3,7 @@ the legacy completions object (echoed prompt tokens first) and vLLM's ``prompt_l
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -10,12 +11,19 @@ from tinyserve.entrypoints.protocol import PromptLogprobs
 from tinyserve.outputs import TokenLogprob
 
 
-def chat_logprobs(lps: list[TokenLogprob], token_str: Callable[[int], str]) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+def chat_logprobs(
+    lps: list[TokenLogprob],
+    token_str: Callable[[int], str],
+    token_bytes: Callable[[int], bytes] | None = None,
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+    ``bytes`` the token's own (``token_bytes``), which add up to the text where a character
+    spans tokens (the token's text then is U+FFFD)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         s = token_str(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        raw = token_bytes(token_id) if token_bytes is not None else s.encode("utf-8")
+        return {"token": s, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [
@@ -82,3 +90,30 @@ def prompt_logprobs(
 
 def _entry(token_id: int, logprob: float, rank: int | None, token_str) -> dict[str, Any]:
     return {"logprob": logprob, "rank": rank, "decoded_token": token_str(token_id)}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Llama 3, Qwen2, SmolLM2): its character -> byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    chars = {b: b for b in bs}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 256 + n
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The bytes of one token whose decoded ``text`` is known: that text's where it is whole,
+    else (part of a character: U+FFFD) read from the vocabulary's own piece: a byte-level
+    BPE piece or SentencePiece's ``<0xE2>``."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and (m := _BYTE_FALLBACK.fullmatch(piece)):
+        return bytes([int(m.group(1), 16)])
+    if isinstance(piece, str) and piece and all(ch in _BYTE_LEVEL for ch in piece):
+        return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return text.encode("utf-8")

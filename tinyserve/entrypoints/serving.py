@@ -29,6 +29,7 @@ from fastapi.responses import Response
 
 from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream, QueueFullError
 from tinyserve.entrypoints import protocol as P
+from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.chat_template import render_chat
@@ -320,6 +321,12 @@ class OpenAIServing:
             if len(self._token_str_cache) < 200_000:
                 self._token_str_cache[token_id] = s
         return s
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, for chat logprobs (protocol_logprobs.token_bytes)."""
+        tok = self.engine.tokenizer
+        text = self.token_str(token_id)
+        return L.token_bytes(tok, token_id, text) if tok is not None else text.encode("utf-8")
 
 
 def answers_json(tools: list, fmt: StructuredOutputsParams | None, choice) -> bool:

@@ -103,7 +103,7 @@ class ChatServing(OpenAIServing):
             content, calls, finish = self.answer_tools(job, text or "", finish, c.stop_reason)
             logprobs = None
             if job.params.logprobs is not None:
-                logprobs = L.chat_logprobs(c.logprobs, self.token_str)
+                logprobs = L.chat_logprobs(c.logprobs, self.token_str, self.token_bytes)
             message = P.ChatResponseMessage(
                 content=content, reasoning_content=reasoning, tool_calls=calls or None
             )
@@ -136,7 +136,7 @@ class ChatServing(OpenAIServing):
     ) -> list[dict[str, Any]]:
         lp = None
         if job.params.logprobs is not None:
-            lp = L.chat_logprobs(out.logprobs, self.token_str)
+            lp = L.chat_logprobs(out.logprobs, self.token_str, self.token_bytes)
         if job.thinks:
             return self._thinking_chunks(job, head, out, finish, lp)
         return self._answer_chunks(job, head, out, out.text_delta, finish, lp)

@@ -92,6 +92,9 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "hi", "suffix": "x"}, "suffix"),
     (COMP, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [True]}, "-"),  # was token 1
+    (COMP, {"prompt": [[1], [2.0]]}, "-"),  # was token 2
+    (CHAT, {"messages": MSGS, "stop_token_ids": [True]}, "-"),
     ("/tokenize", {}, "prompt"),
 ]
 

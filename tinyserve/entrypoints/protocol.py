@@ -10,7 +10,7 @@ import time
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall
 
@@ -190,7 +190,7 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = Field(
         None, description="Up to 64 non-empty strings of at most 512 characters"
     )
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: true is not token 1
     presence_penalty: float | None = Field(None, **_range(minimum=-2, maximum=2))
     frequency_penalty: float | None = Field(None, **_range(minimum=-2, maximum=2))
     repetition_penalty: float | None = Field(None, **_range(exclusiveMinimum=0, maximum=10))
@@ -326,7 +326,7 @@ class ChatCompletionResponse(_Response):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         ..., description="Text, a list of texts, token ids or a list of token-id lists"
     )
     prediction: Prediction | None = None

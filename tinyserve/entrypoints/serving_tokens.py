@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 from tinyserve.entrypoints.protocol import ChatMessage, _Request, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
@@ -33,13 +33,13 @@ class TokenizeRequest(_Request):
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[StrictInt]
     token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(BaseModel):

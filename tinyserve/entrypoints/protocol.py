@@ -239,9 +239,10 @@ class ChatMessage(_Request):
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
-        """Only an assistant turn may leave ``content`` out (OpenAI's rule): a user turn
-        without it was rendered as an empty one."""
-        if self.content is None and self.role != "assistant":
+        """A user, system or developer turn needs ``content`` (OpenAI's rule): a user turn
+        without it was rendered as an empty one. (Assistant turns with calls have none; a
+        tool result without it is taken as empty, as vLLM does.)"""
+        if self.content is None and self.role not in ("assistant", "tool"):
             raise ValueError(f"content: required in a {self.role!r} message")
         return self
 

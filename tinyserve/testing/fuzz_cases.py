@@ -114,7 +114,7 @@ def _message_cases() -> list[Hostile]:
         Hostile("image content part", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]), B),
         Hostile("tool message", CHAT, _chat(messages=[*_USER, {"role": "assistant", "content": None}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]), {200}),
         Hostile("tools and tool_choice sent", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), {200}),
-        Hostile("null content", CHAT, _chat(messages=[{"role": "user", "content": None}]), {200}),
+        Hostile("null content", CHAT, _chat(messages=[{"role": "user", "content": None}]), B),  # OpenAI: required
         Hostile("10,000 messages", CHAT, _chat(messages=[{"role": "user", "content": "hi"}] * 10_000), B),
         Hostile("empty prompt string", COMP, _comp(prompt=""), B),
         Hostile("empty prompt list", COMP, _comp(prompt=[]), B),

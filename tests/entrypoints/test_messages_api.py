@@ -306,3 +306,16 @@ def test_output_config_format_beside_tools_is_a_call_or_that_json(claude):
             with claude.messages.stream(**kw) as stream:
                 assert "".join(stream.text_stream) == block.text
     assert kinds == {"call", "answer"}, kinds
+
+
+def test_a_stop_sequence_inside_a_call_is_the_stop_reason(claude):
+    """A stop sequence reached inside a tool_use block: stop_reason stop_sequence (it said
+    tool_use, and an agent would run the cut call), streamed the same."""
+    kw = dict(model=MODEL, max_tokens=60, tools=[WEATHER], stop_sequences=['": "'],
+              tool_choice={"type": "any"}, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Weather in Oslo?"}])  # fmt: skip
+    m = claude.messages.create(**kw)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", '": "'), m
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", '": "')

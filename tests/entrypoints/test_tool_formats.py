@@ -8,6 +8,7 @@ through a real server as OpenAI tool calls that validate, streamed and not. The 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.api import same_when_streamed
+from tests.support.api import accumulate, non_streamed, same_when_streamed
 from tinyserve.config import ServerConfig
 from tinyserve.engine.arg_utils import EngineArgs
 from tinyserve.engine.async_engine import AsyncEngine
@@ -302,7 +303,9 @@ def test_auto_beside_a_response_format_is_a_call_or_that_json(family_server):
                 jsonschema.validate(json.loads(choice.message.content), VERDICT)
             else:
                 assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-        same_when_streamed(c, range(2), **request)  # streamed: the same answers
+        for seed in range(2):  # streamed: the same answers (Llama 3.x's in one piece: read
+            want = non_streamed(c, seed=seed, **request)  # whole beside a JSON answer)
+            assert accumulate(c, seed=seed, **request)[:3] == want
     assert finished, name
 
 
@@ -387,3 +390,32 @@ def test_calls_check_checks_a_json_answer_without_calls():
     assert why is not None and "'uniqueItems'" in why
     assert check(MISTRAL_CALL) is None
     assert calls_check(MISTRAL, TOOLS, answer=VERDICT) is None  # nothing dropped
+
+
+@pytest.mark.parametrize("text, is_call", [
+    ('{"name": "Alice", "age": 30}', False),  # a Person answer: a "name", no tool
+    ('{"name": "get_time", "parameters": {"tz": "CET"}}', True),
+    ('<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}', True),
+    ('{"name": "get_time", "parameters": {}, "x": 1}', False),
+])  # fmt: skip
+def test_llama_calls_beside_a_json_answer_are_read_whole(text, is_call):
+    """Llama 3.x calls are bare JSON objects, like the answer a response format asks for:
+    read piecewise, an answer with a "name" became a call of a tool that does not exist.
+    Beside a JSON answer the text is read whole, the same streamed and not."""
+    names = ["get_weather", "get_time"]
+    rng = random.Random(0)
+    for _ in range(5):
+        stream, events, i = LLAMA.stream(names), [], 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            events += stream.feed(text[i : i + n])
+            i += n
+        events += stream.finish("stop")
+        content, calls = collect_calls(events)
+        assert bool(calls) == is_call and (content is None) == is_call, (content, calls)
+        assert events[-1][1] == ("tool_calls" if is_call else "stop")
+        if not is_call:
+            assert content == text
+    check = calls_check(LLAMA, TOOLS, answer={"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "uniqueItems": True}}})  # fmt: skip
+    assert "'uniqueItems'" in check('{"name": "Alice", "tags": [1, 1]}')

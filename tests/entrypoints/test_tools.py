@@ -256,3 +256,36 @@ def test_a_function_without_parameters_is_called_with_none(oai, params):
         assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [
             ("get_time", "{}")
         ]
+
+
+def test_a_response_format_with_defs_beside_tools_compiles(oai):
+    """A pydantic output type with a nested model ($defs / $ref) beside tools that use no
+    $ref: the envelope had dropped the definitions ('Pointer /$defs/answer does not exist')."""
+    from pydantic import BaseModel
+
+    class Item(BaseModel):
+        name: str
+
+    class Order(BaseModel):
+        items: list[Item]
+
+    schema = Order.model_json_schema()
+    assert "$defs" in schema
+    fmt = {"type": "json_schema", "json_schema": {"name": "Order", "schema": schema}}
+    for seed in range(3):
+        c = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                        response_format=fmt, max_tokens=60, seed=seed,
+                                        temperature=1.0).choices[0]  # fmt: skip
+        if c.finish_reason == "stop":
+            Order.model_validate_json(c.message.content)
+
+
+def test_anchor_refs_and_extension_keys_are_not_pointers():
+    from tinyserve.entrypoints.tools import Tool, check_tools
+
+    params = {"type": "object", "$defs": {"A": {"$anchor": "A", "type": "integer"}},
+              "properties": {"a": {"$ref": "#A"}}, "x-meta": {"$ref": "#/nowhere"}}  # fmt: skip
+    tool = Tool.model_validate(
+        {"type": "function", "function": {"name": "f", "parameters": params}}
+    )
+    assert check_tools([tool], "auto")

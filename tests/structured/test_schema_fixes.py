@@ -213,3 +213,19 @@ def test_formats_the_library_lacks_are_narrowed_or_dropped(
 def test_dialect_urls_the_library_would_fetch_compile(backend, url):
     """llguidance fetches nothing and refuses a "$schema" URL its registry spells otherwise."""
     backend.compile(StructuredOutputSpec.json_schema({"$schema": url, "type": "object"}))
+
+
+def test_properties_named_like_keywords_are_names(backend):
+    """OpenAI's cookbook tool get_current_weather(location, format): a property called
+    ``format`` holds a schema, not a format name (fix_schema raised TypeError on it: a 500
+    for a template's own tool format); nor is a property ``additionalItems`` a keyword."""
+    schema = {"type": "object", "properties": {
+        "format": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "prefixItems": {"type": "string"}, "additionalItems": {"type": "integer"},
+        "when": {"type": "string", "format": "date"}}}  # fmt: skip
+    fixed = fix_schema(schema)
+    props = fixed["properties"]
+    assert props["format"] == schema["properties"]["format"]
+    assert props["additionalItems"] == {"type": "integer"} and "items" not in props
+    assert "pattern" in props["when"]  # the rewrites still reach the property schemas
+    backend.compile(StructuredOutputSpec.json_schema(schema))

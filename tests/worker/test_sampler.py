@@ -266,9 +266,9 @@ def test_logit_bias_over_the_whole_vocabulary_matches_reference_and_is_built_onc
     got = apply_logits_processors(logits.clone(), meta)
     for i, row in enumerate(rows):
         torch.testing.assert_close(got[i].double(), ref_processed_logits(logits[i], row))
-    made = params.__dict__["_bias_tensors"]
+    made = params.logit_bias_tensors
     again = SamplingMetadata.build(rows, V, CPU)
-    assert params.__dict__["_bias_tensors"] is made  # the next step reuses them
+    assert made is not None and params.logit_bias_tensors is made  # the next step reuses them
     assert all(torch.equal(a, b) for a, b in zip(again.logit_bias, meta.logit_bias, strict=True))
 
 

@@ -271,13 +271,14 @@ def content_blocks(content: str | None, calls: list[ToolCall]) -> list[dict[str,
 
 
 def stop_reason(finish: str | None, stop: int | str | None, called: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from the chat path's finish reason."""
+    """(stop_reason, stop_sequence) from the chat path's finish reason. A stop sequence wins
+    over calls: one that cut a call (kept as far as it got) did not end it."""
     if finish == "length":
         return "max_tokens", None
-    if called:
-        return "tool_use", None
     if isinstance(stop, str):
         return "stop_sequence", stop
+    if called:
+        return "tool_use", None
     return "end_turn", None
 
 

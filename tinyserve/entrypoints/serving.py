@@ -280,21 +280,24 @@ class OpenAIServing:
     ) -> tuple[str | None, list, str | None]:
         """Content, calls and the finish reason (``tool_calls`` where calls end it): parsed
         whole when the answer ended; as the stream parser sent them when cut (by max_tokens,
-        a stop string or a stop token): a cut call stays a call, and the envelope's text
-        its content, never the raw wrapper (a stop string inside it sent that as content)."""
+        a stop string or a stop token: a cut call stays a call, and the envelope's text
+        its content, never the raw wrapper) or beside a JSON answer (one reading of it)."""
         if not job.tools or finish not in ("stop", "length"):
             return text, [], finish
-        if finish == "stop" and stop_reason is None:
-            content, calls = self.parse_tools(text, job.json_answer)
+        if finish == "stop" and stop_reason is None and not job.json_answer:
+            content, calls = self.parse_tools(text)
             return content, calls, "tool_calls" if calls else finish
-        parser = self.tool_stream(job.json_answer)
+        parser = self.tool_stream(job)
         events = parser.feed(text) + parser.finish(finish)
         return *collect_calls(events), events[-1][1]
 
-    def tool_stream(self, json_answer: bool = False) -> ToolStream:
+    def tool_stream(self, job: Job | None = None) -> ToolStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools``."""
         fmt = tool_format(self.tokenizer)
-        return fmt.stream() if fmt is not None else EnvelopeStream(json_answer)
+        json_answer = job is not None and job.json_answer
+        if fmt is None:
+            return EnvelopeStream(json_answer)
+        return fmt.stream([t.function.name for t in job.tools] if json_answer else None)
 
     def tool_decoding(self, tools: list[T.Tool]) -> dict[str, Any]:
         """Sampling settings the tools' format needs: its marker is a special token that

@@ -157,7 +157,7 @@ class ChatServing(OpenAIServing):
         if job.tools:
             parser = job.parsers.get(out.index)
             if parser is None:
-                parser = job.parsers[out.index] = self.tool_stream(job.json_answer)
+                parser = job.parsers[out.index] = self.tool_stream(job)
             events = parser.feed(text)
             events += parser.finish(finish) if finish is not None else []
             if not events and out.logprobs and lp is not None:

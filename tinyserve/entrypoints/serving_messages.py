@@ -106,7 +106,7 @@ class MessagesServing(OpenAIServing):
         head = A.message(job.request_id, self.model_name, [], None, None, len(job.prompts[0]), 0)
         yield {"type": "message_start", "message": head}
         yield {"type": "ping"}
-        parser = self.tool_stream(job.json_answer) if job.tools else None
+        parser = self.tool_stream(job) if job.tools else None
         blocks, finish, stop, usage = _Blocks(), None, None, None
         try:
             async for out in outputs(stream):

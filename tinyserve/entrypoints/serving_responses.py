@@ -65,7 +65,7 @@ class ResponsesServing(OpenAIServing):
         except OpenAIError as e:
             raise _in_own_terms(e) from None
         if job.stream:
-            parser = self.tool_stream(job.json_answer) if job.tools else None
+            parser = self.tool_stream(job) if job.tools else None
             return self.sse(self._events(job, stream, parser), typed=True)
         return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
 
@@ -104,7 +104,7 @@ class ResponsesServing(OpenAIServing):
     ) -> dict[str, Any]:
         (choice,) = choices
         # The whole text through the stream's parsers: the same items as when streamed.
-        parser = self.tool_stream(job.json_answer) if job.tools else None
+        parser = self.tool_stream(job) if job.tools else None
         list(_answer_events(job, parser, choice.text, choice.finish_reason))  # events dropped
         job.builder.finish(choice.finish_reason, usage)
         return dump(job.builder.response)

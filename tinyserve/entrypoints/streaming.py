@@ -228,9 +228,9 @@ def sse(
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def answer_json(content: Any) -> str:
+def answer_json(content: Any, allow_nan: bool = True) -> str:
     """An answer's JSON text for the wire (UTF-8, lone surrogates replaced)."""
-    text = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(content, ensure_ascii=False, separators=(",", ":"), allow_nan=allow_nan)
     return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text
 
 
@@ -238,7 +238,7 @@ class AnswerResponse(JSONResponse):
     """A JSON answer (``answer_json``)."""
 
     def render(self, content: Any) -> bytes:
-        return answer_json(content).encode("utf-8")
+        return answer_json(content, allow_nan=False).encode("utf-8")  # as Starlette's
 
 
 async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> AsyncIterator:

@@ -36,7 +36,12 @@ from dataclasses import dataclass
 
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.tool_stream import HermesStream
-from tinyserve.entrypoints.tool_stream_marked import MarkedStream, NamedArgsStream, collect_calls
+from tinyserve.entrypoints.tool_stream_marked import (
+    PYTHON_TAG,
+    MarkedStream,
+    NamedArgsStream,
+    collect_calls,
+)
 from tinyserve.structured.schema_approx import final_check, needs_final_check
 from tinyserve.structured.schema_fixes import fix_schema
 
@@ -135,9 +140,13 @@ class MarkedFormat:
             lines.append(f"start: {mark} {calls}")
         return "\n".join(lines)
 
-    def stream(self) -> MarkedStream | NamedArgsStream:
+    def stream(self, answer_names: list[str] | None = None):
+        """The parser of a streamed answer; ``answer_names``: the tools, where a JSON answer
+        may stand instead of calls (Llama 3.x's bare JSON calls then wait for the end)."""
         if self.args_marker:
             return NamedArgsStream(self.marker, self.args_marker, self.id_marker)
+        if answer_names is not None and not self.marker:
+            return WholeAnswer(self, answer_names)
         return MarkedStream(self.marker, self.array, self.args_key)
 
     def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
@@ -191,7 +200,7 @@ class HermesFormat:
     ) -> str:  # fmt: skip
         return hermes_grammar(tools, choice, parallel, open_args, answer)
 
-    def stream(self) -> HermesStream:
+    def stream(self, answer_names: list[str] | None = None) -> HermesStream:
         return HermesStream()
 
     def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
@@ -202,6 +211,36 @@ class HermesFormat:
 
 
 ToolFormat = MarkedFormat | HermesFormat
+
+
+class WholeAnswer:
+    """Llama 3.x's calls (a bare ``{"name", "parameters"}`` object) beside a JSON answer:
+    which of the two an answer is shows only at its end (a ``Person`` answer has a "name"
+    too), so it is read whole: a call where it is exactly one of a given tool, else content."""
+
+    def __init__(self, fmt: MarkedFormat, names: list[str]) -> None:
+        self._fmt, self._names, self._text = fmt, set(names), ""
+
+    def feed(self, text: str) -> list:
+        self._text += text
+        return []
+
+    def finish(self, finish_reason: str) -> list:
+        if not self._is_call():  # all of it content, in one delta
+            return [*([({"content": self._text}, None)] if self._text else []),
+                    ({}, finish_reason)]  # fmt: skip
+        stream = self._fmt.stream()
+        return stream.feed(self._text) + stream.finish(finish_reason)
+
+    def _is_call(self) -> bool:
+        text = self._text.strip()
+        text = text.removeprefix(PYTHON_TAG).lstrip()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False
+        return (isinstance(value, dict) and set(value) == {"name", self._fmt.args_key}
+                and value["name"] in self._names)  # fmt: skip
 
 
 def hermes_grammar(
@@ -262,8 +301,11 @@ def calls_check(
     if not checked and own is None:
         return None
 
+    names = [t.function.name for t in tools] if answer is not None else None
+
     def check(text: str) -> str | None:
-        content, calls = fmt.parse(text)
+        stream = fmt.stream(names)  # as the answer is read (WholeAnswer beside a JSON answer)
+        content, calls = collect_calls(stream.feed(text) + stream.finish("stop"))
         if not calls and own is not None:
             return final_check(own, content or "")
         for call in calls:

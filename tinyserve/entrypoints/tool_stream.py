@@ -7,7 +7,7 @@ Content streams until a call begins; each call then gets a first delta with ``in
 then ``function.arguments`` fragments: the arguments' JSON text exactly as generated, so the
 fragments add up to the non-streamed ``arguments``. ``finish`` ends the choice: ``stop`` with
 calls becomes ``tool_calls``; ``length`` (or a stop string mid-call, finishing ``stop``) keeps
-what was sent, where the non-streamed answer is the raw text as content.
+what was sent, and the non-streamed answer is read the same (serving.answer_tools).
 
 ``EnvelopeStream`` reads the JSON envelope (``{"content": "..."}``: the string decoded as it
 comes; ``{"tool_calls": [...]}``), ``HermesStream`` ``<tool_call>`` blocks amid text, holding

@@ -30,11 +30,10 @@ import json
 import re
 import uuid
 from typing import Any, Literal
-from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyserve.structured.strict import closed_objects
+from tinyserve.structured.strict import closed_objects, dangling_ref
 from tinyserve.utils.regex_size import check_regex, schema_patterns
 
 MAX_PARALLEL_CALLS = 8
@@ -105,7 +104,7 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
             )
         for pattern in schema_patterns(params):  # checked here: Hermes embeds them in Lark
             check_regex(pattern, "tools")
-        if (ref := _dangling_ref(params, params)) is not None:  # checked here: inside the
+        if (ref := dangling_ref(params, params)) is not None:  # checked here: inside the
             raise ValueError(  # envelope the library's message names our relocated $defs
                 f"tools: the parameters of {t.function.name!r}: $ref {ref!r} does not resolve"
             )
@@ -115,27 +114,6 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
             raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools")
         return named
     return list(tools)
-
-
-def _dangling_ref(node: Any, root: Any) -> str | None:
-    """The first local ``$ref`` (``#...``) in ``node`` that points at nothing in ``root``."""
-    if isinstance(node, list):
-        return next((r for v in node if (r := _dangling_ref(v, root)) is not None), None)
-    if not isinstance(node, dict):
-        return None
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        target = root
-        for part in filter(None, ref[1:].split("/")):
-            part = unquote(part).replace("~1", "/").replace("~0", "~")
-            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            elif isinstance(target, dict) and part in target:
-                target = target[part]
-            else:
-                return ref
-    return next((r for k, v in node.items() if k not in ("const", "enum", "default", "examples")
-                 and (r := _dangling_ref(v, root)) is not None), None)  # fmt: skip
 
 
 def call_schema(
@@ -230,13 +208,13 @@ def envelope_schema(
         "required": ["tool_calls"],
         "additionalProperties": False,
     }  # fmt: skip
-    root = {"x-guidance": TOOL_JSON_OPTIONS, **({"$defs": defs} if defs else {})}
-    if choice in (None, "auto"):
+    body = with_calls
+    if choice in (None, "auto"):  # (the answer's definitions join defs: root made after)
         content = {"type": "string"} if answer is None else _relocated(answer, "answer", defs)
         text = {"type": "object", "properties": {"content": content},
                 "required": ["content"], "additionalProperties": False}  # fmt: skip
-        return {**root, "anyOf": [with_calls, text]}
-    return {**root, **with_calls}
+        body = {"anyOf": [with_calls, text]}
+    return {"x-guidance": TOOL_JSON_OPTIONS, **({"$defs": defs} if defs else {}), **body}
 
 
 def system_prompt(tools: list[Tool], choice: ToolChoice | None) -> str:

@@ -19,8 +19,8 @@ takes RFC 3339's shapes, digit by digit: year 0000, February 29 of any year (202
 second 60, any number of digits in a duration's parts. Python's ``date.fromisoformat`` and
 pydantic (what jsonschema's format checker and most clients parse them with: a pydantic
 model's ``datetime`` field is ``format: date-time``) refuse those, so a client's parse of a
-200 failed. Such a string schema without a pattern of its own becomes the values both take,
-by a pattern: years 0001-9999 with the leap-day rule written out, seconds 00-59 with at most
+200 failed. Such a string schema without a pattern of its own becomes, by a pattern, values
+pydantic takes (and Python >= 3.11's ``fromisoformat``; Python has no duration parser): years 0001-9999 with the leap-day rule written out, seconds 00-59 with at most
 6 digits of fraction, ``T`` and ``Z`` in capitals, offsets to +-23:59; durations as RFC
 3339's appendix A writes them, each number at most 4 digits (within pydantic's timedelta).
 """
@@ -33,6 +33,9 @@ from tinyserve.structured.schema_approx import approximate
 
 # Keys whose values are data, not subschemas: never rewritten.
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+# Keys whose values map names to subschemas (a property named "format" is no keyword).
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                        "dependentSchemas"})  # fmt: skip
 _REL_EPS = 1e-9
 
 
@@ -48,11 +51,16 @@ def _fix(schema):
         return [_fix(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA_KEYS else _fix(v)) for k, v in schema.items()}
+    out = {k: v if k in _DATA_KEYS else _fix_map(v) if k in _NAME_MAPS else _fix(v)
+           for k, v in schema.items()}  # fmt: skip
     if out.get("type") != "integer":
         _tighten(out, "exclusiveMinimum", "minimum", ("maximum", "exclusiveMaximum"), +1)
         _tighten(out, "exclusiveMaximum", "maximum", ("minimum", "exclusiveMinimum"), -1)
-    if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
+    if (
+        isinstance(out.get("format"), str)
+        and out["format"] in FORMAT_PATTERNS
+        and ("pattern" not in out)
+    ):
         out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
     elif isinstance(out.get("format"), str) and out["format"] not in _FORMATS:
         _format(out)
@@ -62,6 +70,14 @@ def _fix(schema):
     if isinstance(out.get("$schema"), str):
         _dialect(out)
     return out
+
+
+def _fix_map(names):
+    """A map of names to schemas (``properties``, ``$defs``, ...): its values fixed, not
+    itself, where a property may be called ``format`` or ``additionalItems``."""
+    if not isinstance(names, dict):
+        return _fix(names)
+    return {name: _fix(s) for name, s in names.items()}
 
 
 def _format(schema: dict) -> None:

@@ -1,9 +1,13 @@
 """OpenAI's strict semantics for a JSON schema: objects hold their declared properties only.
 Torch-free. Applied to tool parameters by default (entrypoints/tools.py; the server's
 --open-tool-arguments turns it off) and to a ``response_format`` unless it says ``strict:
-false`` (vLLM's grammar library and llama.cpp's converter close objects the same way)."""
+false`` (vLLM's grammar library and llama.cpp's converter close objects the same way). Also
+``dangling_ref``: a tool schema's refs checked before the envelope relocates them."""
 
 from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote
 
 from tinyserve.structured.schema_approx import map_subschemas
 
@@ -100,3 +104,26 @@ def _part_refs(node):
         for value in node.values():
             if isinstance(value, (dict, list)):
                 yield from _part_refs(value)
+
+
+def dangling_ref(node: Any, root: Any) -> str | None:
+    """The first ``$ref`` pointer (``#/...``; not an ``#anchor``) in ``node`` missing in
+    ``root``; data (``const``, ``enum``, ...) and ``x-`` extensions are no schemas."""
+    if isinstance(node, list):
+        return next((r for v in node if (r := dangling_ref(v, root)) is not None), None)
+    if not isinstance(node, dict):
+        return None
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        target = root
+        for part in filter(None, ref[1:].split("/")):
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                return ref
+    return next((r for k, v in node.items() if k not in ("const", "enum", "default", "examples")
+                 and not k.startswith("x-") and (r := dangling_ref(v, root)) is not None),
+                None)  # fmt: skip

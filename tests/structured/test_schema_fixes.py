@@ -229,3 +229,43 @@ def test_properties_named_like_keywords_are_names(backend):
     assert props["additionalItems"] == {"type": "integer"} and "items" not in props
     assert "pattern" in props["when"]  # the rewrites still reach the property schemas
     backend.compile(StructuredOutputSpec.json_schema(schema))
+
+
+def test_pydantic_uuid_versions_and_any_ip_are_what_pydantic_takes(backend, smollm2_tokenizer):
+    """pydantic's own formats (a UUID4 field is ``format: uuid4``, IPvAnyAddress
+    ``ipvanyaddress``) were dropped as unknown annotations: any string came back as a 200 its
+    parse refused ('SmartWayPart-A-Rep'). Every string the uuid patterns take parses with
+    pydantic (random hex, versions and variants); the grammar takes what pydantic does."""
+    import random
+    import re
+
+    from pydantic import UUID1, UUID4, BaseModel, IPvAnyAddress, TypeAdapter
+
+    from tinyserve.structured.schema_fixes import UUID_PATTERNS
+
+    rng = random.Random(0)
+    for name, kind in (("uuid1", UUID1), ("uuid4", UUID4)):
+        rx, parse, taken = re.compile(UUID_PATTERNS[name]), TypeAdapter(kind).validate_python, 0
+        for _ in range(4000):
+            h = "".join(rng.choice("0123456789abcdefABCDEF") for _ in range(32))
+            text = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+            if rx.match(text):
+                taken += 1
+                parse(text)
+        assert taken > 50, (name, taken)
+
+    class Rec(BaseModel):
+        id: UUID4
+        addr: IPvAnyAddress
+
+    compiled = backend.compile(StructuredOutputSpec.json_schema(Rec.model_json_schema()))
+    for text, ok in (
+        ('{"id": "123e4567-e89b-42d3-a456-426614174000", "addr": "10.0.0.1"}', True),
+        ('{"id": "123e4567-e89b-42d3-a456-426614174000", "addr": "::1"}', True),
+        ('{"id": "123e4567-e89b-12d3-a456-426614174000", "addr": "10.0.0.1"}', False),  # v1
+        ('{"id": "SmartWayPart-A-Rep", "addr": "10.0.0.1"}', False),
+        ('{"id": "123e4567-e89b-42d3-a456-426614174000", "addr": "Cities of A&P"}', False),
+    ):
+        assert _takes(backend, compiled, smollm2_tokenizer, text) == ok, text
+        if ok:
+            Rec.model_validate_json(text)

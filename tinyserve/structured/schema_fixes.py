@@ -83,12 +83,18 @@ def _fix_map(names):
 def _format(schema: dict) -> None:
     """A format the library does not know: its subset the library does know (every URI is a
     URI reference and an IRI; an ASCII address or host name is an internationalised one), a
-    JSON pointer by its pattern, else dropped (an annotation since draft 2019-09)."""
+    JSON pointer by its pattern, pydantic's own (``uuid4``, ``ipvanyaddress``: a model's
+    ``UUID4`` / ``IPvAnyAddress`` fields took any string, which its parse then refused) as
+    what pydantic takes, else dropped (an annotation since draft 2019-09)."""
     name = schema.pop("format")
     if name in _NARROWER:
         schema["format"] = _NARROWER[name]
     elif name == "json-pointer" and "pattern" not in schema:
         schema["pattern"] = "^(/([^~/]|~[01])*)*$"
+    elif name in UUID_PATTERNS and "pattern" not in schema:  # pydantic's UUID1..UUID5: the
+        schema["pattern"] = UUID_PATTERNS[name]  # version nibble, RFC 4122's variant
+    elif name == "ipvanyaddress" and "anyOf" not in schema:  # pydantic's IPvAnyAddress
+        schema["anyOf"] = [{"format": "ipv4"}, {"format": "ipv6"}]
 
 
 def _dialect(schema: dict) -> None:
@@ -107,6 +113,11 @@ _FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostnam
                       "ipv6", "uuid", "uri"})  # fmt: skip
 _NARROWER = {"uri-reference": "uri", "iri": "uri", "iri-reference": "uri",
              "idn-email": "email", "idn-hostname": "hostname"}  # fmt: skip
+_HEX = "[0-9a-fA-F]"
+UUID_PATTERNS = {
+    f"uuid{v}": rf"^{_HEX}{{8}}-{_HEX}{{4}}-{v}{_HEX}{{3}}-[89abAB]{_HEX}{{3}}-{_HEX}{{12}}$"
+    for v in (1, 3, 4, 5)
+}
 _DIALECTS = {
     "draft-04": "http://json-schema.org/draft-04/schema#",
     "draft-06": "http://json-schema.org/draft-06/schema#",

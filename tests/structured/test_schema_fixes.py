@@ -239,12 +239,12 @@ def test_pydantic_uuid_versions_and_any_ip_are_what_pydantic_takes(backend, smol
     import random
     import re
 
-    from pydantic import UUID1, UUID4, BaseModel, IPvAnyAddress, TypeAdapter
+    from pydantic import UUID1, UUID4, UUID7, BaseModel, IPvAnyAddress, TypeAdapter
 
     from tinyserve.structured.schema_fixes import UUID_PATTERNS
 
     rng = random.Random(0)
-    for name, kind in (("uuid1", UUID1), ("uuid4", UUID4)):
+    for name, kind in (("uuid1", UUID1), ("uuid4", UUID4), ("uuid7", UUID7)):
         rx, parse, taken = re.compile(UUID_PATTERNS[name]), TypeAdapter(kind).validate_python, 0
         for _ in range(4000):
             h = "".join(rng.choice("0123456789abcdefABCDEF") for _ in range(32))

@@ -116,7 +116,7 @@ _NARROWER = {"uri-reference": "uri", "iri": "uri", "iri-reference": "uri",
 _HEX = "[0-9a-fA-F]"
 UUID_PATTERNS = {
     f"uuid{v}": rf"^{_HEX}{{8}}-{_HEX}{{4}}-{v}{_HEX}{{3}}-[89abAB]{_HEX}{{3}}-{_HEX}{{12}}$"
-    for v in (1, 3, 4, 5)
+    for v in (1, 3, 4, 5, 6, 7, 8)
 }
 _DIALECTS = {
     "draft-04": "http://json-schema.org/draft-04/schema#",

@@ -20,9 +20,10 @@ second 60, any number of digits in a duration's parts. Python's ``date.fromisofo
 pydantic (what jsonschema's format checker and most clients parse them with: a pydantic
 model's ``datetime`` field is ``format: date-time``) refuse those, so a client's parse of a
 200 failed. Such a string schema without a pattern of its own becomes, by a pattern, values
-pydantic takes (and Python >= 3.11's ``fromisoformat``; Python has no duration parser): years 0001-9999 with the leap-day rule written out, seconds 00-59 with at most
-6 digits of fraction, ``T`` and ``Z`` in capitals, offsets to +-23:59; durations as RFC
-3339's appendix A writes them, each number at most 4 digits (within pydantic's timedelta).
+pydantic takes (and Python >= 3.11's ``fromisoformat``; Python has no duration parser):
+years 0001-9999 with the leap-day rule written out, seconds 00-59 with at most 6 digits of
+fraction, ``T`` and ``Z`` in capitals, offsets to +-23:59; durations as RFC 3339's appendix
+A writes them, each number at most 4 digits (within pydantic's timedelta).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _format(schema: dict) -> None:
         schema["format"] = _NARROWER[name]
     elif name == "json-pointer" and "pattern" not in schema:
         schema["pattern"] = "^(/([^~/]|~[01])*)*$"
-    elif name in UUID_PATTERNS and "pattern" not in schema:  # pydantic's UUID1..UUID5: the
+    elif name in UUID_PATTERNS and "pattern" not in schema:  # pydantic's UUID1, UUID3-8: the
         schema["pattern"] = UUID_PATTERNS[name]  # version nibble, RFC 4122's variant
     elif name == "ipvanyaddress" and "anyOf" not in schema:  # pydantic's IPvAnyAddress
         schema["anyOf"] = [{"format": "ipv4"}, {"format": "ipv6"}]

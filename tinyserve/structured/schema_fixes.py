@@ -33,7 +33,7 @@ import math
 from tinyserve.structured.schema_approx import approximate
 
 # Keys whose values are data, not subschemas: never rewritten.
-_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
 # Keys whose values map names to subschemas (a property named "format" is no keyword).
 _NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                         "dependentSchemas"})  # fmt: skip
@@ -52,7 +52,7 @@ def _fix(schema):
         return [_fix(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _DATA_KEYS else _fix_map(v) if k in _NAME_MAPS else _fix(v)
+    out = {k: v if k in DATA_KEYS else _fix_map(v) if k in _NAME_MAPS else _fix(v)
            for k, v in schema.items()}  # fmt: skip
     if out.get("type") != "integer":
         _tighten(out, "exclusiveMinimum", "minimum", ("maximum", "exclusiveMaximum"), +1)

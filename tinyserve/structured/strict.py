@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from tinyserve.structured.schema_approx import map_subschemas
+from tinyserve.structured.schema_fixes import DATA_KEYS
 
 # Keywords whose subschemas add up with their node's own: closing one of them (or the node)
 # would refuse the properties the other declares.
@@ -37,7 +38,7 @@ def _restore(out: dict, schema: dict, ref: str) -> None:
     """Put back, as written, the node that the local ``ref`` ("#/$defs/a/b") points to."""
     if not ref.startswith("#/"):
         return
-    keys = [k.replace("~1", "/").replace("~0", "~") for k in ref[2:].split("/")]
+    keys = pointer_keys(ref)
     src, dst = schema, out
     for key in keys[:-1]:
         if not isinstance(src, dict) or not isinstance(dst, dict) or key not in src:
@@ -116,14 +117,19 @@ def dangling_ref(node: Any, root: Any) -> str | None:
     ref = node.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         target = root
-        for part in filter(None, ref[1:].split("/")):
-            part = unquote(part).replace("~1", "/").replace("~0", "~")
+        for part in pointer_keys(ref):
             if isinstance(target, list) and part.isdigit() and int(part) < len(target):
                 target = target[int(part)]
             elif isinstance(target, dict) and part in target:
                 target = target[part]
             else:
                 return ref
-    return next((r for k, v in node.items() if k not in ("const", "enum", "default", "examples")
-                 and not k.startswith("x-") and (r := dangling_ref(v, root)) is not None),
-                None)  # fmt: skip
+    return next((r for k, v in node.items() if k not in DATA_KEYS and not k.startswith("x-")
+                 and (r := dangling_ref(v, root)) is not None), None)  # fmt: skip
+
+
+def pointer_keys(ref: str) -> list[str]:
+    """The keys of a local JSON pointer ``#/a~1b/%25`` (["a/b", "%"]); ``#``: none."""
+    if not ref.startswith("#/"):
+        return []
+    return [unquote(k).replace("~1", "/").replace("~0", "~") for k in ref[2:].split("/")]

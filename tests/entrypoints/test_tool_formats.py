@@ -263,13 +263,18 @@ def family_server(request, smollm2_gguf_path, tmp_path_factory):
 SYSTEM = [{"role": "system", "content": "You call tools."}]
 
 
+def _tools_request(server, ask: str, **extra) -> dict:
+    """A sampled chat request to a family server with WEATHER and TIME."""
+    return dict(model=server.async_engine.info.model_name, tools=[WEATHER, TIME],
+                messages=[*SYSTEM, {"role": "user", "content": ask}], temperature=1.0, **extra)  # fmt: skip
+
+
 def test_forced_calls_come_back_as_tool_calls_that_validate(family_server):
     name, server = family_server
     finished = 0
     with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0) as c:
-        request = dict(model=server.async_engine.info.model_name, tools=[WEATHER, TIME],
-                       messages=[*SYSTEM, {"role": "user", "content": "Weather and time?"}],
-                       tool_choice="required", max_tokens=120, temperature=1.0)  # fmt: skip
+        request = _tools_request(server, "Weather and time?", tool_choice="required",
+                                 max_tokens=120)  # fmt: skip
         finished = same_when_streamed(c, range(3), **request)
         for seed in range(3):
             choice = c.chat.completions.create(seed=seed, **request).choices[0]
@@ -288,11 +293,8 @@ def test_auto_beside_a_response_format_is_a_call_or_that_json(family_server):
     name, server = family_server
     finished = 0
     with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0) as c:
-        request = dict(model=server.async_engine.info.model_name, tools=[WEATHER, TIME],
-                       messages=[*SYSTEM, {"role": "user", "content": "Weather?"}],
-                       response_format={"type": "json_schema", "json_schema": {
-                           "name": "v", "schema": VERDICT, "strict": True}},
-                       max_tokens=60, temperature=1.0)  # fmt: skip
+        request = _tools_request(server, "Weather?", max_tokens=60, response_format={
+            "type": "json_schema", "json_schema": {"name": "v", "schema": VERDICT, "strict": True}})  # fmt: skip
         for seed in range(4):
             choice = c.chat.completions.create(seed=seed, **request).choices[0]
             if choice.finish_reason == "length":

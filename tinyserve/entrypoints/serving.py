@@ -241,7 +241,7 @@ class OpenAIServing:
             return with_json_options(fmt or so, req.structured_outputs, self.json_layout)
         if so is not None or req.structured_outputs is not None:  # nor its JSON options
             raise bad_request("tools: cannot be combined with structured_outputs", "tools")
-        answer = json_answer_schema(fmt) if tool_choice in (None, "auto") else None
+        answer = json_answer_schema(fmt) if answers_json(tools, fmt, tool_choice) else None
         return self.tools_constraint(tools, tool_choice, parallel_tool_calls, answer)
 
     def tools_constraint(
@@ -269,35 +269,34 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e, "tool_choice" if "tool_choice" in str(e) else "tools") from None
 
-    def parse_tools(self, text: str, json_answer: bool = False) -> tuple[str | None, list]:
-        """A whole answer's content and calls (``json_answer``: a response format's JSON
-        where there is no call, as ``Job.json_answer``)."""
+    def parse_tools(self, text: str, job: Job) -> tuple[str | None, list]:
+        """A whole answer's content and calls (beside a JSON answer, ``Job.json_answer``,
+        read as that or calls)."""
         fmt = tool_format(self.tokenizer)
-        return fmt.parse(text) if fmt is not None else T.parse_output(text, json_answer)
+        if fmt is None:
+            return T.parse_output(text, job.json_answer)
+        return fmt.parse(text, _answer_names(job))
 
     def answer_tools(
         self, job: Job, text: str, finish: str | None, stop_reason: int | str | None = None
     ) -> tuple[str | None, list, str | None]:
         """Content, calls and the finish reason (``tool_calls`` where calls end it): parsed
         whole when the answer ended; as the stream parser sent them when cut (by max_tokens,
-        a stop string or a stop token: a cut call stays a call, and the envelope's text
-        its content, never the raw wrapper) or beside a JSON answer (one reading of it)."""
+        a stop string or a stop token): a cut call stays a call, and the envelope's text
+        its content, never the raw wrapper."""
         if not job.tools or finish not in ("stop", "length"):
             return text, [], finish
-        if finish == "stop" and stop_reason is None and not job.json_answer:
-            content, calls = self.parse_tools(text)
+        if finish == "stop" and stop_reason is None:
+            content, calls = self.parse_tools(text, job)
             return content, calls, "tool_calls" if calls else finish
         parser = self.tool_stream(job)
         events = parser.feed(text) + parser.finish(finish)
         return *collect_calls(events), events[-1][1]
 
-    def tool_stream(self, job: Job | None = None) -> ToolStream:
+    def tool_stream(self, job: Job) -> ToolStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools``."""
         fmt = tool_format(self.tokenizer)
-        json_answer = job is not None and job.json_answer
-        if fmt is None:
-            return EnvelopeStream(json_answer)
-        return fmt.stream([t.function.name for t in job.tools] if json_answer else None)
+        return EnvelopeStream(job.json_answer) if fmt is None else fmt.stream(_answer_names(job))
 
     def tool_decoding(self, tools: list[T.Tool]) -> dict[str, Any]:
         """Sampling settings the tools' format needs: its marker is a special token that
@@ -330,6 +329,12 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         text = self.token_str(token_id)
         return L.token_bytes(tok, token_id, text) if tok is not None else text.encode("utf-8")
+
+
+def _answer_names(job: Job) -> list[str] | None:
+    """The tools' names where a JSON answer may stand instead of calls (a format's reader
+    tells the two apart by them), else None."""
+    return [t.function.name for t in job.tools] if job.json_answer else None
 
 
 def answers_json(tools: list, fmt: StructuredOutputsParams | None, choice) -> bool:

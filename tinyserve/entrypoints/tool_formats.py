@@ -149,8 +149,10 @@ class MarkedFormat:
             return WholeAnswer(self, answer_names)
         return MarkedStream(self.marker, self.array, self.args_key)
 
-    def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
-        stream = self.stream()
+    def parse(
+        self, text: str, answer_names: list[str] | None = None
+    ) -> tuple[str | None, list[T.ToolCall]]:
+        stream = self.stream(answer_names)
         return collect_calls(stream.feed(text) + stream.finish("stop"))
 
     def messages(self, conversation: list[dict], messages) -> list[dict]:
@@ -203,7 +205,9 @@ class HermesFormat:
     def stream(self, answer_names: list[str] | None = None) -> HermesStream:
         return HermesStream()
 
-    def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+    def parse(
+        self, text: str, answer_names: list[str] | None = None
+    ) -> tuple[str | None, list[T.ToolCall]]:
         return T.parse_native(text)
 
     def messages(self, conversation: list[dict], messages) -> list[dict]:
@@ -304,8 +308,7 @@ def calls_check(
     names = [t.function.name for t in tools] if answer is not None else None
 
     def check(text: str) -> str | None:
-        stream = fmt.stream(names)  # as the answer is read (WholeAnswer beside a JSON answer)
-        content, calls = collect_calls(stream.feed(text) + stream.finish("stop"))
+        content, calls = fmt.parse(text, names)  # as the answer is read (WholeAnswer)
         if not calls and own is not None:
             return final_check(own, content or "")
         for call in calls:

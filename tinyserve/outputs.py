@@ -118,26 +118,32 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-def kept_in_order(prediction, output, reach: int = 256) -> int:
-    """How many prediction tokens the output kept, in order: walking the output, each token
-    matches the prediction's next occurrence of it within ``reach`` tokens of where the
-    alignment stands (an edit skips or inserts a little, never the whole file). Linear in the
-    output (it runs on the engine thread when a request ends), a lower bound of the longest
-    common subsequence, equal to it when the output is the prediction with local edits."""
+def kept_in_order(prediction, output, anchor: int = 4, reach: int = 256) -> int:
+    """How many prediction tokens the output kept, in order: walking the output, a token
+    that is the prediction's next one is kept; at any other, the alignment moves ahead to
+    where the output's next ``anchor`` tokens occur in the prediction (within ``reach``
+    tokens: an edit skips a little, never the whole file), else that output token is new (a
+    preamble, an edit's insertion). Anchoring on a run rather than one token keeps a common
+    token (a newline, a bracket) in a preamble from moving the alignment past the file's
+    start. Linear in the output (it runs on the engine thread when a request ends), a lower
+    bound of the longest common subsequence, equal to it when the output is the prediction
+    with local edits."""
     import bisect
 
-    where: dict[int, list[int]] = {}
-    for i, t in enumerate(prediction):
-        where.setdefault(t, []).append(i)
-    pos = kept = 0
-    for t in output:
-        spots = where.get(t)
-        if not spots:
+    where: dict[tuple, list[int]] = {}
+    for j in range(len(prediction) - anchor + 1):
+        where.setdefault(tuple(prediction[j : j + anchor]), []).append(j)
+    pos = kept = i = 0
+    while i < len(output) and pos < len(prediction):
+        if output[i] == prediction[pos]:
+            kept, pos, i = kept + 1, pos + 1, i + 1
             continue
+        spots = where.get(tuple(output[i : i + anchor]), ())
         j = bisect.bisect_left(spots, pos)
         if j < len(spots) and spots[j] - pos < reach:
-            kept += 1
-            pos = spots[j] + 1
+            pos = spots[j]  # the next round keeps output[i]
+        else:
+            i += 1
     return kept
 
 

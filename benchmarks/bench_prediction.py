@@ -5,13 +5,14 @@ interleaved: ``off`` (a server with ``--speculative-config off``, no ``predictio
 speculation at all), ``plain`` (a server at its default flags, suffix decoding on since
 d1720d7, no ``prediction``) and ``predicted`` (that server, ``prediction`` = the file);
 each request with its own ``cache_salt``, so that no way replays an earlier identical
-request's answer from the suffix cache.
-Reports per file the completion tokens per second (min / median / max over the
+request's answer from the suffix cache. Two styles of asking (``STYLES``): ``plain`` and
+``fenced`` (the answer read up to its code block's closing fence).
+Reports per style and file the completion tokens per second (min / median / max over the
 repetitions), the speed-ups off -> predicted (issue 40's "on vs off") and plain ->
 predicted (what the prediction adds to the default), that all answers are identical, and
 usage's accepted / rejected prediction tokens.
 
-  python benchmarks/bench_prediction.py [--repeats 3] [--out benchmarks/results/prediction.json]
+  python benchmarks/bench_prediction.py [--repeats 3] [--styles plain,fenced] [--out benchmarks/results/prediction.json]
 """
 
 from __future__ import annotations
@@ -86,14 +87,32 @@ EDITS = {"fib.py": "Rename the function fibonacci to fib.", "stack.py": "Rename 
          "greet.js": 'Change the greeting "Hello, " to "Hi, ".'}  # fmt: skip
 
 
-def one(c: httpx.Client, name: str, predicted: bool, salt: str = "warm-up") -> dict:
+# Two ways to ask. "plain": the file and the edit, "the whole file and nothing else" (the
+# model often answers with prose or runs past the file). "fenced": the file in a code block,
+# the answer asked as one code block and read up to its closing fence (`stop`), as editors
+# that parse the code block do, so the answer is the file as the model gives it back.
+STYLES = ("plain", "fenced")
+
+
+def _body(name: str, style: str, salt: str) -> dict:
+    source = FILES[name]
+    if style == "plain":
+        return {"cache_salt": salt, "messages": [
+                    {"role": "system", "content": "You edit code. Reply with the whole file, changed as asked, and nothing else."},
+                    {"role": "user", "content": f"{EDITS[name]}\n\n{source}"}],
+                "max_tokens": 400, "temperature": 0}  # fmt: skip
+    return {"cache_salt": salt, "messages": [
+                {"role": "system", "content": "You are a code editor. You return the complete file with the requested change applied, in a single code block, and nothing else."},
+                {"role": "user", "content": f"{name}:\n```\n{source}```\n\nInstruction: {EDITS[name]}"}],
+            "max_tokens": 400, "temperature": 0, "stop": ["\n```"]}  # fmt: skip
+
+
+def one(c: httpx.Client, name: str, predicted: bool, salt: str = "warm-up",
+        style: str = "plain") -> dict:  # fmt: skip
     source = FILES[name]
     # Its own cache_salt: no drafts (suffix decoding's cross-request cache) or prefix hits
     # from the identical request an earlier repetition or way sent.
-    body = {"cache_salt": salt, "messages": [
-                {"role": "system", "content": "You edit code. Reply with the whole file, changed as asked, and nothing else."},
-                {"role": "user", "content": f"{EDITS[name]}\n\n{source}"}],
-            "max_tokens": 400, "temperature": 0}  # fmt: skip
+    body = _body(name, style, salt)
     if predicted:
         body["prediction"] = {"type": "content", "content": source}
     t = time.perf_counter()
@@ -102,7 +121,7 @@ def one(c: httpx.Client, name: str, predicted: bool, salt: str = "warm-up") -> d
     r.raise_for_status()
     data = r.json()
     usage = data["usage"]
-    return {"file": name, "predicted": predicted, "seconds": seconds,
+    return {"file": name, "style": style, "predicted": predicted, "seconds": seconds,
             "completion_tokens": usage["completion_tokens"],
             "tok_s": usage["completion_tokens"] / seconds,
             "details": usage.get("completion_tokens_details"),
@@ -113,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS / "prediction.json"))
+    p.add_argument("--styles", default=",".join(STYLES), help="plain,fenced (see STYLES)")
     args = p.parse_args(argv)
     log = Path(args.out).with_suffix(".server.log")
     servers = {
@@ -129,23 +149,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for c in clients.values():
             one(c, "fib.py", False)  # warm-up
+        styles = args.styles.split(",")
         for rep in range(args.repeats):
-            for name in FILES:  # interleaved, the order rotating each repetition
-                for way, predicted in ways[rep % 3 :] + ways[: rep % 3]:
-                    c = clients["off" if way == "off" else "default"]
-                    salt = f"{nonce}-{rep}-{way}"
-                    runs.append({**one(c, name, predicted, salt), "way": way, "repeat": rep})
+            for style in styles:
+                for name in FILES:  # interleaved, the order rotating each repetition
+                    for way, predicted in ways[rep % 3 :] + ways[: rep % 3]:
+                        c = clients["off" if way == "off" else "default"]
+                        salt = f"{nonce}-{rep}-{way}"
+                        run = one(c, name, predicted, salt, style)
+                        runs.append({**run, "way": way, "repeat": rep})
     finally:
         for c in clients.values():
             c.close()
         for s in servers.values():
             s.stop()
-    cells = {name: _cell([r for r in runs if r["file"] == name]) for name in FILES}
+    cells = {f"{style}/{name}": _cell([r for r in runs if (r["style"], r["file"]) == (style, name)])
+             for style in styles for name in FILES}  # fmt: skip
     for name, cell in cells.items():
         print(name, json.dumps(cell))
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": machine_info(), "repeats": args.repeats, "cells": cells,
-              "runs": [{k: v for k, v in r.items() if k != "text"} for r in runs]}  # fmt: skip
+              "runs": runs}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -167,7 +191,8 @@ def _cell(runs: list[dict]) -> dict:
             "speedup_plain_to_predicted": speedup("plain", "predicted"),
             "identical": len(texts) == 1,
             "completion_tokens": by["off"][0]["completion_tokens"],
-            "prediction_details": by["predicted"][0]["details"]}  # fmt: skip
+            "prediction_details": by["predicted"][0]["details"],
+            "text": by["off"][0]["text"]}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,6 +24,24 @@ def test_the_drafter_follows_the_output_through_an_edit():
     assert d.propose([5, 129], 4) == []  # the prediction's end: nothing follows
 
 
+def test_a_short_match_far_from_the_alignment_is_no_draft():
+    """After the answer has left the prediction, one or two tokens that also occur in it (a
+    bracket, a newline) are no evidence of where it stands: their drafts were all rejected
+    and kept suffix decoding from drafting (served: a copied file followed by a loop of
+    prints, 0.85x of the same request without the prediction). Three tokens are."""
+    pred = list(range(100, 200))
+    d = PredictionDrafter(pred)  # near: 16 tokens
+    assert d.propose(pred[:40], 3) == pred[40:43]
+    left = pred[:40] + [1, 2, 3]
+    assert d.propose(left + [105], 4) == []  # one token 35 back
+    assert d.propose(left + [165], 4) == []  # one token 25 past the alignment
+    assert d.propose(left + [150], 4) == pred[51:55]  # 10 past: an edit's deletion
+    assert d.propose(left + [104, 105, 106], 4) == pred[7:11]  # three: anywhere
+    d = PredictionDrafter(pred)
+    d.propose(pred[:20], 2)
+    assert d.propose(pred[:20] + [9, pred[22]], 2) == pred[23:25]  # an edit: one token, near
+
+
 def test_kept_in_order_counts_an_edited_copy():
     pred = list(range(50))
     assert kept_in_order(pred, pred) == 50

@@ -5,7 +5,12 @@ The prediction is aligned to the output as the output drifts from it: the drafts
 prediction after the place where the output's last tokens occur in it — the longest suffix
 of the output (``max_match`` tokens down to one) found in the prediction, the first such
 place at or after the previous alignment (an edit moves forward through a file), else the
-first anywhere. Right after the prompt (no output yet) the prediction's start is the draft.
+first anywhere. A match shorter than ``far_match`` tokens counts only within ``near``
+tokens after the previous alignment (just past an edit); elsewhere one or two tokens (a
+bracket, a newline) say nothing of where the output stands: an answer that has left the
+file would draft the file's text after its every bracket, each draft rejected, where the
+configured source (suffix decoding) drafts what the answer repeats. Right after the prompt
+(no output yet) the prediction's start is the draft.
 Verification keeps exactly the tokens plain decoding would have produced, so the prediction
 changes speed only, never the output.
 """
@@ -21,10 +26,12 @@ _WIDTH = array("i").itemsize
 class PredictionDrafter:
     """One request's prediction and where the output stands in it."""
 
-    def __init__(self, prediction: Sequence[int], max_match: int = 8) -> None:
+    def __init__(
+        self, prediction: Sequence[int], max_match: int = 8, far_match: int = 3, near: int = 16
+    ) -> None:
         self.tokens = list(prediction)
         self._data = array("i", self.tokens).tobytes()
-        self.max_match = max_match
+        self.max_match, self.far_match, self.near = max_match, far_match, near
         self.position = 0  # in the prediction, after the last alignment's draft start
 
     def propose(self, output: Sequence[int], k: int) -> list[int]:
@@ -37,7 +44,9 @@ class PredictionDrafter:
         for size in range(min(self.max_match, n), 0, -1):
             suffix = array("i", output[n - size :]).tobytes()
             start = self._find(suffix, self.position - size)
-            if start < 0:
+            if size < self.far_match and start - (self.position - size) > self.near:
+                start = -1  # a short match far ahead: no evidence of where the output is
+            if start < 0 and size >= self.far_match:
                 start = self._find(suffix, 0)
             if start >= 0:
                 self.position = start + size

@@ -81,6 +81,24 @@ def test_rejected_fields_are_400s_naming_them_unless_they_ask_nothing(fake_serve
         )
 
 
+def test_null_is_the_default_for_every_field_that_has_one(fake_server):
+    """OpenAI's types say ``| None`` for nearly every field and clients send explicit nulls:
+    ``"stream": null`` and ``"parallel_tool_calls": null`` were 400s ("Input should be a
+    valid boolean"). Every declared field with a default takes null as that default."""
+    apis = [("/v1/chat/completions", P.ChatCompletionRequest, {"messages": MSGS}),
+            ("/v1/completions", P.CompletionRequest, {"prompt": "hi"}),
+            ("/v1/responses", ResponsesRequest, {"input": "hi"})]  # fmt: skip
+    with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        for path, model, body in apis:
+            nulls = {f.alias or name: None for name, f in model.model_fields.items()
+                     if not f.is_required() and f.default is not None}  # fmt: skip
+            assert {"stream", "n"} <= set(nulls), sorted(nulls)
+            r = c.post(path, json={"model": "fake-model", **body, **nulls, "max_tokens": 2,
+                                   "max_output_tokens": 2})  # fmt: skip
+            assert r.status_code == 200, (path, r.text)
+            assert "choices" in r.json() or r.json()["object"] == "response"
+
+
 def test_ignored_fields_pass_and_unknown_ones_are_logged(fake_server, caplog):
     with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
         body = {"model": "fake-model", "messages": MSGS, "max_tokens": 2}

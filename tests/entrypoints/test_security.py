@@ -128,13 +128,26 @@ def test_grammars_that_crashed_the_server_are_served(client):
     assert text.startswith('{"x"') or text.startswith("{")
 
 
+def _nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(
     "extra,words",
     [({"structured_outputs": {"grammar": 'start: "a"' + ' | "b"' * 60_000}}, ["grammar", "256,000"]),
      ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"enum": ["x" * 300_000]}}}}},
       ["JSON schema", "256,000"]),
      ({"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": {
-         "type": "array", "items": json.loads("[" * 120 + "]" * 120)}}}}, ["nests", "at most 100"])],
+         "type": "array", "items": json.loads("[" * 120 + "]" * 120)}}}}, ["nests", "at most 100"]),
+     # a tool's parameters: a 500 (the envelope's size check was not caught)
+     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(60)}}]},
+      ["nests", "at most 100"]),
+     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+         "type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 1000}
+                                         for i in range(300)}}}}]}, ["JSON schema", "256,000"])],
 )  # fmt: skip
 def test_specs_past_the_size_limits_are_a_400_naming_the_limit(fake_server, extra, words):
     with fake_server() as s, httpx.Client(base_url=s.base_url, timeout=30) as c:

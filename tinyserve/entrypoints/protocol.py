@@ -10,42 +10,10 @@ import time
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from tinyserve.entrypoints.protocol_base import _Request, _Response
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall
-
-
-def _check_unicode(value: Any) -> None:
-    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which Python decodes into a str that
-    cannot be encoded back to UTF-8: the tokenizer and the response encoder would fail on it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("contains a lone UTF-16 surrogate: send valid Unicode") from None
-    elif isinstance(value, list):
-        for v in value:
-            if isinstance(v, (str, list, dict)):
-                _check_unicode(v)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_unicode(k)
-            _check_unicode(v)
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        _check_unicode(value)
-        return value
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
 
 # -- errors ------------------------------------------------------------------------------------
 

@@ -37,26 +37,30 @@ def error_body(err: OpenAIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-class TextBlock(_Request):
+class _Strict(_Request):
+    null_is_default = False  # OpenAI reads null as the default; Anthropic's fields are typed
+
+
+class TextBlock(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Request):
+class ToolUseBlock(_Strict):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolResultBlock(_Request):
+class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
 
 
-class OtherBlock(_Request):
+class OtherBlock(_Strict):
     """Any other block (image, document, server tool results, ...): refused by name; an
     earlier answer's ``thinking`` / ``redacted_thinking`` are dropped (Anthropic strips them
     from previous turns too, so clients send them back as they got them)."""
@@ -80,12 +84,12 @@ Block = Annotated[
 DROPPED = frozenset({"thinking", "redacted_thinking"})
 
 
-class Message(_Request):
+class Message(_Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class CustomTool(_Request):
+class CustomTool(_Strict):
     model_config = ConfigDict(extra="ignore")
     type: Literal["custom"] | None = None
     name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
@@ -93,19 +97,19 @@ class CustomTool(_Request):
     input_schema: dict[str, Any]
 
 
-class AnthropicToolChoice(_Request):
+class AnthropicToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class OutputFormat(_Request):
+class OutputFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(..., alias="schema")
 
 
-class OutputConfig(_Request):
+class OutputConfig(_Strict):
     """``output_config``: ``format`` (Anthropic's structured outputs) is enforced by the
     grammar as chat's ``response_format``; ``effort`` is accepted and changes nothing (the
     served model has no effort to spend). Other keys are a 400."""
@@ -121,7 +125,7 @@ IGNORED = frozenset({"metadata", "service_tier", "cache_control", "container", "
                      "inference_geo", "speed", "user_profile_id", "workspace_id"})  # fmt: skip
 
 
-class MessagesRequest(_Request):
+class MessagesRequest(_Strict):
     """The fields a Messages API client sends; the SDK's others are IGNORED, and unknown
     ones too, as the chat path treats metadata."""
 

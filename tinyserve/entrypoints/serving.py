@@ -254,12 +254,15 @@ class OpenAIServing:
         """The grammar of the tools' calls (and, with ``auto``, of text instead: of the JSON
         schema ``answer`` where one is given)."""
         fmt, open_args = tool_format(self.tokenizer), self.open_tool_arguments
-        if fmt is not None:  # the calls in the template's own format (tool_formats.py)
-            grammar = fmt.grammar(tools, tool_choice, parallel_tool_calls, open_args, answer)
-            check = calls_check(fmt, tools, open_args, answer)
-            return StructuredOutputsParams(grammar=grammar, field="tools", answer_check=check)
-        schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls, open_args, answer)
-        return StructuredOutputsParams(json=schema, field="tools")
+        try:  # a schema too deep or too large (utils/grammar_size) is the client's: a 400
+            if fmt is not None:  # the calls in the template's own format (tool_formats.py)
+                grammar = fmt.grammar(tools, tool_choice, parallel_tool_calls, open_args, answer)
+                check = calls_check(fmt, tools, open_args, answer)
+                return StructuredOutputsParams(grammar=grammar, field="tools", answer_check=check)
+            schema = T.envelope_schema(tools, tool_choice, parallel_tool_calls, open_args, answer)
+            return StructuredOutputsParams(json=schema, field="tools")
+        except ValueError as e:
+            raise bad_request(e, "tools") from None
 
     @staticmethod
     def checked_tools(tools: list[T.Tool] | None, choice: T.ToolChoice | None) -> list[T.Tool]:

@@ -1,0 +1,64 @@
+"""The request and response base models of every API's wire format (protocol.py,
+protocol_responses.py, protocol_anthropic.py): lone surrogates refused, null read as the
+default."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+
+def _check_unicode(value: Any) -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which Python decodes into a str that
+    cannot be encoded back to UTF-8: the tokenizer and the response encoder would fail on it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone UTF-16 surrogate: send valid Unicode") from None
+    elif isinstance(value, list):
+        for v in value:
+            if isinstance(v, (str, list, dict)):
+                _check_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    null_is_default: ClassVar[bool] = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default is that default, as OpenAI's API
+        reads it (its SDK types say ``bool | None`` for ``stream``, ``parallel_tool_calls``,
+        ``echo``, ...): ``"stream": null`` was a 400 "Input should be a valid boolean"."""
+        if not cls.null_is_default or not isinstance(data, dict) or None not in data.values():
+            return data
+        keys = _defaulted(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in keys}
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
+
+
+@functools.cache
+def _defaulted(cls: type[BaseModel]) -> frozenset[str]:
+    """The names (and aliases) of ``cls``'s fields whose default is not None."""
+    keys = set()
+    for name, f in cls.model_fields.items():
+        if not f.is_required() and (f.default_factory is not None or f.default is not None):
+            keys.update({name, f.alias or name})
+    return frozenset(keys)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")

@@ -141,6 +141,26 @@ def test_stop_strings_across_token_boundaries(smol_engine):
             assert c.token_ids == ids[:num_tokens], (rid, stop)
 
 
+@pytest.mark.slow
+def test_a_stop_token_ends_the_text_before_it_unless_included(smol_engine):
+    """``stop_token_ids`` as vLLM's detokenizer reads them: the token that stopped the request
+    stays in its token ids (and logprobs) but its text is not shown unless
+    ``include_stop_str_in_output`` (it always was: " Paris." for a stop on ".")."""
+    tok = smol_engine.tokenizer
+    [prompt] = text_prompts(tok, [25], seed=31)
+    ref = run_batch(smol_engine, [("ref", prompt, greedy(24))])["ref"]
+    ids = ref.token_ids
+    k = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k] and _decode(tok, [ids[k]]))
+    got = run_batch(smol_engine, [
+        ("out", prompt, greedy(24, stop_token_ids=[ids[k]])),
+        ("in", prompt, greedy(24, stop_token_ids=[ids[k]], include_stop_str_in_output=True))])  # fmt: skip
+    for rid, shown in (("out", k), ("in", k + 1)):
+        c = got[rid]
+        assert (c.finish_reason, c.stop_reason) == ("stop", ids[k])
+        assert c.token_ids == ids[: k + 1]
+        assert c.text == _decode(tok, ids[:shown]), rid
+
+
 # ---------------------------------------------------------------- UTF-8
 
 

@@ -129,3 +129,18 @@ def test_bounds_and_no_prompt_logprobs_unless_asked(tiny_qwen2_path):
     assert out["a"].prompt_logprobs == [None] and out["a"].token_ids == []
     assert out["b"].prompt_logprobs is None
     assert_no_leaks(engine)
+
+
+def test_a_prompt_filling_the_context_window_can_be_scored(tiny_qwen2_path):
+    """``max_tokens=0`` needs no room for output: a prompt of exactly max_model_len tokens
+    (lm-eval's rolling loglikelihood windows are the full context) was refused as "no room
+    for output"; generating from it still is."""
+    engine = tiny_engine(tiny_qwen2_path, num_blocks=64, max_model_len=32)
+    prompt = random_prompt(32, seed=9)
+    out = run_batch(engine, [("a", prompt, scoring())])["a"]
+    assert len(out.prompt_logprobs) == 32 and out.token_ids == []
+    with pytest.raises(ValueError, match="no room for output"):
+        engine.validate_request(prompt, greedy(1))
+    with pytest.raises(ValueError, match="no room for output"):
+        engine.validate_request(prompt + [5], scoring())
+    assert_no_leaks(engine)

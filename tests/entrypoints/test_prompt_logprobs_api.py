@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from tests.support.api import MODEL, assert_error
 
@@ -69,9 +70,15 @@ def test_a_generated_tokens_logprob_is_its_score(client):
     assert abs(scored["choices"][0]["logprobs"]["token_logprobs"][-1] - token_lp) <= 1e-5
 
 
-def test_echo_streams_the_same_as_not(client):
-    body = {"model": MODEL, "prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 4,
-            "temperature": 0}  # fmt: skip
+@pytest.mark.parametrize(
+    "extra",
+    [{"echo": True, "max_tokens": 4},
+     # a stop string held back the text of tokens already sent: their streamed text_offset
+     # counted the characters sent ([0, 0, 1, 0, 1, 4, 0, ...] for [0, 6, 7, 8, 9, 12, ...])
+     {"max_tokens": 10, "stop": ["QQQQQQQQQQQQQQQQQQQQ"]}],
+)  # fmt: skip
+def test_echo_streams_the_same_as_not(client, extra):
+    body = {"model": MODEL, "prompt": TEXT, "logprobs": 1, "temperature": 0, **extra}
     whole = client.post(COMP, json=body).json()["choices"][0]
     text, merged = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     with client.stream("POST", COMP, json={**body, "stream": True}) as r:

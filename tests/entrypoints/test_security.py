@@ -25,7 +25,9 @@ def test_with_a_key_unknown_paths_and_other_schemes_get_401(fake_server):
         assert_error(c.get("/v1/secret-admin"), 401)
         assert_error(c.get("/metrics", headers={"Authorization": f"Basic {KEY}"}), 401)
         assert_error(c.get("/metrics", headers={"Authorization": "Bearer"}), 401)
-        assert_error(c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer x"}), 401)
+        assert_error(
+            c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer x"}), 401
+        )
         auth = {"Authorization": f"Bearer {KEY}"}
         assert c.get("/v1/secret-admin", headers=auth).status_code == 404
         assert_error(c.post("/v1/chat/completions", json={}, headers=auth), 400)  # then checked

@@ -109,3 +109,22 @@ def test_a_lone_surrogate_escape_in_decoded_json_is_replaced_not_a_500(fake_serv
         r = httpx.post(s.url("/v1/messages"), json=body, timeout=30)
         assert r.status_code == 200, r.text
         assert r.json()["content"][0]["input"] == {"a": "x\ufffd"}
+
+
+def test_the_finishing_chunk_says_what_stopped_it(client):
+    """vLLM's ``stop_reason`` (the stop string or token id) on the finishing chunk, as the
+    unstreamed choice has it: streamed chunks never carried it."""
+    for path, body in [("/v1/completions", {"prompt": "The capital of France is"}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Name a city."}]})]:  # fmt: skip
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **body}
+        whole = client.post(path, json=body).json()["choices"][0]
+        text = whole.get("text") or whole["message"]["content"]
+        stop = text.split()[1] if len(text.split()) > 1 else text[1:3]  # reached mid-answer
+        assert client.post(path, json={**body, "stop": [stop]}).json()["choices"][0][
+            "stop_reason"] == stop  # fmt: skip
+        chunks = [json.loads(e) for e in _stream(client, path, {**body, "stop": [stop],
+                                                               "stream": True})[:-1]]  # fmt: skip
+        choices = [c["choices"][0] for c in chunks]
+        assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == stop
+        assert all(c["stop_reason"] is None for c in choices[:-1])

@@ -121,7 +121,7 @@ class LLMEngine:
                 raise ValueError(f"prompt: token id {t!r} is outside [0, {self.vocab_size})")
 
     def _validate_length(self, n: int, params: SamplingParams) -> None:
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and params.max_tokens != 0):
             raise ValueError(
                 f"prompt: {n} tokens leave no room for output in the context window of "
                 f"{self.max_model_len} tokens"

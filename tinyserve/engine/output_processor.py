@@ -176,7 +176,14 @@ class OutputProcessor:
         num_output = req.num_output_tokens
         detok = parent.detokenizers.get(rid)
         if detok is not None:
-            text_delta, stop_str, used = _detokenize(detok, new_ids, req.is_finished)
+            # A stop token (stop_token_ids) ends the text before it unless
+            # include_stop_str_in_output, as a stop string does (vLLM's detokenizer too); its
+            # id stays in the output's tokens.
+            shown = new_ids
+            if (new_ids and isinstance(stop_reason, int) and new_ids[-1] == stop_reason
+                    and not req.sampling_params.include_stop_str_in_output):  # fmt: skip
+                shown = new_ids[:-1]
+            text_delta, stop_str, used = _detokenize(detok, shown, req.is_finished)
             if stop_str is not None:
                 if not req.is_finished:
                     stops.append(rid)

@@ -52,7 +52,8 @@ REJECTED = {
     "background_options": "background responses are not supported",
     "image": "image input is not supported",
     "access_programs": "not supported",
-    "top_logprobs": "logprobs are not returned by /v1/responses",
+    "top_logprobs": "not taken here (/v1/responses returns no logprobs; on /v1/completions "
+    "send logprobs: k)",
     # vLLM's extensions that change the output or the prompt
     "allowed_token_ids": "not supported: use logit_bias or structured_outputs",
     "bad_words": "not supported: use logit_bias",

@@ -163,15 +163,19 @@ class ChatServing(OpenAIServing):
             if not events and out.logprobs and lp is not None:
                 events = [({}, None)]
             return [
-                _chunk(head, out.index, delta, lp if n == 0 else None, fr)
+                _chunk(head, out.index, delta, lp if n == 0 else None, fr, out.stop_reason)
                 for n, (delta, fr) in enumerate(events)
             ]
         if not text and finish is None and (not out.logprobs or lp is None):
             return []  # held back (a stop string, a UTF-8 boundary, a tag) or all reasoning
         delta = {"content": text} if text or finish is None else {}
-        return [_chunk(head, out.index, delta, lp, finish)]
+        return [_chunk(head, out.index, delta, lp, finish, out.stop_reason)]
 
 
-def _chunk(head: dict, index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def _chunk(head: dict, index: int, delta: dict, logprobs=None, finish_reason=None,
+           stop_reason=None) -> dict:  # fmt: skip
+    """One choice's chunk; vLLM's ``stop_reason`` (the stop string or token id that ended
+    it, as the unstreamed choice has it) on the finishing one."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason if finish_reason is not None else None}  # fmt: skip
     return {**head, "choices": [choice]}

@@ -36,7 +36,7 @@ class CompletionJob(Job):
     prompt_logprobs: int | None = None  # vLLM's field, as the request named it
     input_size: int = 0
     echo_texts: list[str] = field(default_factory=list)  # per prompt ("" without echo)
-    offsets: dict[int, int] = field(default_factory=dict)  # streamed: choice -> characters sent
+    offsets: dict[int, int] = field(default_factory=dict)  # streamed: the next text_offset
 
 
 class CompletionServing(OpenAIServing):
@@ -131,8 +131,11 @@ class CompletionServing(OpenAIServing):
         prompt_lps = out.prompt_logprobs if first else None
         logprobs = self._logprobs(job, out.prompt_index, out.logprobs, prompt_lps, offset,
                                   echoed=first)  # fmt: skip
-        job.offsets[out.index] = offset + len(text)
-        choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if logprobs is not None and logprobs["tokens"]:  # the tokens' own text, as unstreamed:
+            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])  # not the text
+        job.offsets[out.index] = offset  # sent, which a stop string or a part character holds
+        choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": out.stop_reason if finish is not None else None}  # fmt: skip
         if first and job.params.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(job, prompt_lps)
         return [{**head, "choices": [choice]}]

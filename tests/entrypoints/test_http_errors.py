@@ -46,8 +46,14 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": "maybe"}}, "-"),
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"messages": MSGS, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
-    (CHAT, {"messages": [{"role": "user"}]}, "messages.0"),  # rendered as an empty turn
-    (CHAT, {"messages": [{"role": "system", "content": None}, *MSGS]}, "messages.0"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0]"),  # rendered as an empty turn
+    (CHAT, {"messages": [{"role": "system", "content": None}, *MSGS]}, "messages[0]"),
+    # a union's branches: the deepest error, the branch names out ("content.str" before)
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages[0].content[0].text",
+    ),
     # A grammar the library refuses names its field (param was null).
     (
         CHAT,

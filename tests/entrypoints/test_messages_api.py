@@ -197,16 +197,24 @@ def test_turns_as_anthropic_takes_them(claude, client):
         ([{"role": "user", "content": []}], "non-empty"),
         ([hi, {"role": "assistant", "content": ""}, again], "non-empty"),
         ([hi, {"role": "assistant", "content": "1, 2, "}], "trailing whitespace"),
-        ([{"role": "user", "content": [{"type": "text"}]}], "text.text: Field required"),
+        # each the deepest error, the block's own path (no tag, no other union branch)
+        ([{"role": "user", "content": [{"type": "text"}]}],
+         "messages[0].content[0].text: Field required"),
         ([hi, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
-                                                 "input": None}]}], "tool_use.input"),
+                                                 "input": None}]}], "content[0].input"),
         ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                        "content": None}]}], "tool_result.content"),
+                                        "content": None}]}], "content[0].content"),
+        ([{"role": "user", "content": [{"text": "hi"}]}],
+         "messages[0].content[0].type: Field required"),
+        ([{"role": "user", "content": [{"type": "image", "source": {}}]}],
+         "'image' blocks are not supported in user turns"),
     ]  # fmt: skip
     for messages, words in cases:
         r = client.post("/v1/messages", json={**base, "messages": messages})
         assert r.status_code == 400, (messages, r.text)
-        assert r.json()["type"] == "error" and words in r.json()["error"]["message"], r.text
+        message = r.json()["error"]["message"]
+        assert r.json()["type"] == "error" and words in message, r.text
+        assert ".str" not in message and "other" not in message.lower(), message
 
 
 def test_x_api_key_and_bearer(fake_server):

@@ -234,7 +234,10 @@ def test_tools_beside_a_text_format_parse_with_the_sdk(oai):
         ({"temperature": -1.0}, "temperature"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        # a union's branch name was the param: input[0].content.str
+        ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+        ({"input": "x" * 40_000}, "input"),  # over the context window: was "prompt"
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
          "tool_choice"),
     ],
@@ -283,3 +286,20 @@ def test_a_failing_request_is_500_or_response_failed(fake_server):
         assert failed["status"] == "failed" and "fake failure" in failed["error"]["message"]
         ok = httpx.post(s.url("/v1/responses"), json={"input": "hi", "max_output_tokens": 3})
         assert ok.json()["output"][0]["content"][0]["text"] == "t0 t1 t2 "
+
+
+def test_an_answer_that_breaks_its_schema_is_the_clients_fault_streamed_too(server):
+    """``uniqueItems`` is checked on the finished answer (structured/schema_approx.py): here
+    the grammar can only write [1, 1], which breaks it. Unstreamed a 400 naming text.format;
+    streamed, ``response.failed`` said ``server_error`` for the client's own schema."""
+    items = {"type": "integer", "enum": [1]}
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {
+        "type": "array", "items": items, "minItems": 2, "maxItems": 2, "uniqueItems": True}}}  # fmt: skip
+    body = {"model": MODEL, "input": "json", "max_output_tokens": 40,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}  # fmt: skip
+    r = httpx.post(server.url("/v1/responses"), json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    failed = _typed_events(server, {**body, "stream": True})[-1]
+    assert failed["type"] == "response.failed"
+    error = failed["response"]["error"]
+    assert error["code"] == "invalid_prompt" and "uniqueItems" in error["message"], error

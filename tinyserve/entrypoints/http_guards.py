@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.protocol_anthropic import error_body
+from tinyserve.entrypoints.protocol_base import error_messages
 
 logger = logging.getLogger(__name__)
 
@@ -159,18 +160,14 @@ class _BodyTooLarge(StarletteHTTPException):
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
     for err in exc.errors():
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
             return f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        # Drop pydantic's union-branch names ("str", "list[int]") from the location.
-        loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int")]
-        where = ".".join(loc)
-        param = param or (where or None)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+    found = error_messages(exc.errors(), skip=("body",))
+    parts = [f"{where}: {msg}" if where else msg for where, msg in found]
+    param = next((where for where, _ in found if where), None)
+    return "; ".join(parts) or "invalid request", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from tinyserve.entrypoints.protocol import ChatMessage, OpenAIError, _Request, bad_request
+from tinyserve.entrypoints.protocol_base import error_messages
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall, ToolChoice
 
 # HTTP status -> Anthropic's error type.
@@ -71,14 +72,15 @@ class OtherBlock(_Strict):
 
 def _block_kind(v: Any) -> str:
     kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return kind if kind in ("text", "tool_use", "tool_result") else "other"
+    # The tags are capitalised: error_location leaves them out of a param.
+    return {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult"}.get(kind, "Other")
 
 
 # Tagged by ``type``: a known block with a bad field is that block's error (``text`` missing,
 # ``input`` not an object), never "a 'text' block is not supported" from the catch-all.
 Block = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[OtherBlock, Tag("other")],
+    Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")]
+    | Annotated[ToolResultBlock, Tag("ToolResult")] | Annotated[OtherBlock, Tag("Other")],
     Discriminator(_block_kind),
 ]  # fmt: skip
 DROPPED = frozenset({"thinking", "redacted_thinking"})
@@ -201,9 +203,8 @@ class CountTokensRequest(MessagesRequest):
 
 
 def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err.get("loc", ()))
-    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+    where, msg = error_messages(e.errors())[0]
+    return f"{where}: {msg}" if where else msg
 
 
 def _join(blocks: list[TextBlock]) -> str:
@@ -242,8 +243,8 @@ def _turn(m: Message, i: int) -> list[ChatMessage]:
                 )
             )
         else:
-            raise bad_request(f"{where}: a {b.type!r} block is not supported in a {m.role} "
-                              "turn", "messages")  # fmt: skip
+            raise bad_request(f"{where}: {b.type!r} blocks are not supported in {m.role} "
+                              "turns", "messages")  # fmt: skip
     turn = []
     if texts or calls or not results:
         turn.append(ChatMessage(role=m.role, content="\n".join(texts) if texts or not calls else None,

@@ -62,3 +62,36 @@ def _defaulted(cls: type[BaseModel]) -> frozenset[str]:
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+# Names pydantic puts in an error's location for a union's branch, not a field.
+_BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def error_location(loc) -> str:
+    """A pydantic error location as OpenAI writes a param: ``messages[0].content``; a
+    union's branch names (``str``, ``list[int]``, ``function-after[...]``, a tagged union's
+    tag, which our models write capitalised) left out."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+            continue
+        x = str(x)
+        if x in _BRANCHES or any(c in x for c in "[]-") or x[:1].isupper():
+            continue
+        out += f".{x}" if out else x
+    return out
+
+
+def error_messages(errors, skip: tuple = ()) -> list[tuple[str, str]]:
+    """``(location, message)`` per pydantic error (locations through ``error_location``,
+    ``skip``'s elements left out). Where a value failed a union, each branch reports: only
+    the deepest errors stay (``messages[0].content[0].type: Field required``, not also
+    ``messages[0].content: Input should be a valid string``)."""
+    found = [(error_location([x for x in e.get("loc", ()) if x not in skip]), str(e.get("msg")))
+             for e in errors]  # fmt: skip
+    deeper = [w for w, _ in found]
+    kept = [(w, m) for w, m in found
+            if not any(d != w and d.startswith(w) and d[len(w):][:1] in ".[" for d in deeper)]  # fmt: skip
+    return list(dict.fromkeys(kept))

@@ -25,6 +25,7 @@ from tinyserve.entrypoints.protocol import (
     _SamplingFields,
     bad_request,
 )
+from tinyserve.entrypoints.protocol_base import error_messages
 from tinyserve.entrypoints.tools import FunctionCall, NamedToolChoice, Tool, ToolCall
 
 # -- the request --------------------------------------------------------------------------------
@@ -196,10 +197,9 @@ def _parse_item(raw: dict[str, Any], where: str) -> _Request:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err["loc"] if not any(c in str(x) for c in "[]")]
-        param = ".".join([where, *loc])
-        raise bad_request(f"{param}: {err['msg']}", param) from None
+        loc, msg = error_messages(e.errors())[0]
+        param = where + ("." + loc if loc and loc[0] != "[" else loc)
+        raise bad_request(f"{param}: {msg}", param) from None
 
 
 def _text_parts(content: str | list[_ContentPart], where: str) -> str | list[TextContentPart]:

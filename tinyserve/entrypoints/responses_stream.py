@@ -141,7 +141,11 @@ class ResponseBuilder:
         """A failure after the stream began: ``response.failed`` with the error."""
         events = self._close("incomplete")
         self.response.status = "failed"
-        self.response.error = {"code": "server_error", "message": error.message}
+        # The Responses API's error codes: the request's fault (a 4xx: an answer that
+        # breaks its schema's dropped keywords, a grammar past the parser's limits) is
+        # invalid_prompt, not the server's.
+        code = "invalid_prompt" if error.status < 500 else "server_error"
+        self.response.error = {"code": code, "message": error.message}
         events.append(self._with_response("response.failed"))
         return events
 

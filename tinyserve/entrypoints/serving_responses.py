@@ -144,10 +144,14 @@ def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None
 
 def _in_own_terms(e: OpenAIError) -> OpenAIError:
     """A 400 of the shared steps naming ``max_tokens`` names this API's field,
-    max_output_tokens."""
+    max_output_tokens; one naming the prompt or the messages (too long for the context, a
+    chat template's failure) names ``input`` (``prompt`` is another field here)."""
     if e.param == "max_tokens":
         e.param = "max_output_tokens"
         e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
+    elif e.param in ("prompt", "messages"):
+        e.message = re.sub(rf"^{e.param}\b", "input", e.message)
+        e.param = "input"
     return e
 
 

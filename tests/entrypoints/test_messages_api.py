@@ -37,6 +37,8 @@ def test_create_and_count_tokens(claude):
     (block,) = m.content
     assert block.type == "text" and block.text
     assert 0 < m.usage.output_tokens <= 24
+    # Anthropic always reports its prompt-cache counts (0 where no cache_control is used)
+    assert (m.usage.cache_read_input_tokens, m.usage.cache_creation_input_tokens) == (0, 0)
     count = claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=msgs)
     assert count.input_tokens == m.usage.input_tokens
     blocks = claude.messages.create(model=MODEL, max_tokens=24, messages=msgs,
@@ -168,6 +170,24 @@ def test_a_final_assistant_message_is_continued(claude, client, smollm2_tokenize
     alone = claude.messages.count_tokens(model=MODEL, messages=[ask]).input_tokens
     empty = [ask, {"role": "assistant", "content": ""}]
     assert claude.messages.count_tokens(model=MODEL, messages=empty).input_tokens == alone
+
+
+def test_a_prefill_a_grammar_would_restart_is_a_400(claude):
+    """With tools on a template without tool support (the JSON envelope), or under
+    output_config.format, the grammar starts the answer anew after a prefill: 'The answer is'
+    came back followed by a fresh '2 + 2 = 4', and a text prefill even as a tool call. A
+    400 says so; the same prefill without them is continued."""
+    msgs = [{"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "The answer is"}]  # fmt: skip
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for extra in ({"tools": [WEATHER]},
+                  {"extra_body": {"output_config": {"format": {"type": "json_schema",
+                                                               "schema": schema}}}}):  # fmt: skip
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(model=MODEL, max_tokens=8, messages=msgs, **extra)
+        assert "prefill" in str(e.value)
+    m = claude.messages.create(model=MODEL, max_tokens=4, messages=msgs)
+    assert m.content and m.content[0].type == "text"
 
 
 def test_turns_as_anthropic_takes_them(claude, client):
@@ -316,14 +336,18 @@ def test_output_config_format_beside_tools_is_a_call_or_that_json(claude):
     assert kinds == {"call", "answer"}, kinds
 
 
-def test_a_stop_sequence_inside_a_call_is_the_stop_reason(claude):
-    """A stop sequence reached inside a tool_use block: stop_reason stop_sequence (it said
-    tool_use, and an agent would run the cut call), streamed the same."""
+def test_a_stop_sequence_matches_text_never_a_calls_json(claude):
+    """Stop sequences end the text the client sees; a tool_use block's JSON is not text: a
+    stop sequence it holds cuts nothing (it cut the call, which came back half-written under
+    stop_sequence), streamed the same."""
     kw = dict(model=MODEL, max_tokens=60, tools=[WEATHER], stop_sequences=['": "'],
               tool_choice={"type": "any"}, extra_body={"temperature": 0},
               messages=[{"role": "user", "content": "Weather in Oslo?"}])  # fmt: skip
     m = claude.messages.create(**kw)
-    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", '": "'), m
+    assert (m.stop_reason, m.stop_sequence) == ("tool_use", None), m
+    (call,) = m.content
+    assert call.type == "tool_use" and isinstance(call.input.get("city"), str), m
     with claude.messages.stream(**kw) as stream:
         final = stream.get_final_message()
-    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", '": "')
+    assert (final.stop_reason, final.stop_sequence) == ("tool_use", None)
+    assert final.content[0].input == call.input

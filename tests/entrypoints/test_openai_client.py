@@ -178,3 +178,20 @@ def test_sampling_knobs_accepted(oai):
         },
     )  # fmt: skip
     assert chat.usage.completion_tokens >= 2
+
+
+def test_the_developer_role_is_the_system_role_where_the_template_has_none(oai, server):
+    """OpenAI's ``developer`` messages (its SDK's examples use them) are its system messages:
+    SmolLM2's template, which does not name the role, rendered "<|im_start|>developer" and
+    added its own default system prompt as well. The Responses API's items alike."""
+
+    def prompt_tokens(role: str) -> tuple[int, int]:
+        chat = oai.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": role, "content": "Answer in French."},
+            {"role": "user", "content": "Hello"}])  # fmt: skip
+        resp = oai.responses.create(model=MODEL, max_output_tokens=1, input=[
+            {"role": role, "content": "Answer in French."},
+            {"role": "user", "content": "Hello"}])  # fmt: skip
+        return chat.usage.prompt_tokens, resp.usage.input_tokens
+
+    assert prompt_tokens("developer") == prompt_tokens("system")

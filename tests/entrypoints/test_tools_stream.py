@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 
 from tinyserve.entrypoints import tools as T
-from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, JsonScanner
+from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, JsonScanner, StopAtText
 
 TEXT_BITS = ["a", " ", "\n", "  ", "<", "<tool", "<tool_", "tool_call>", "</tool_call>", "é",
              "😀", '"', "\\", "{", "}", "Sure.", "<tool_cal", "\t", "x<tool_callx"]  # fmt: skip
@@ -195,3 +195,65 @@ def test_garbage_never_raises(stream):
         finish = rng.choice(["stop", "length"])
         _, _, reason, _ = streamed(stream(), text, rng, finish)
         assert reason in (finish, "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [EnvelopeStream, HermesStream])
+def test_stop_strings_end_the_text_the_client_sees_not_the_wrapper(stream):
+    """Stop strings with tools match the answer's text (StopAtText), fed in random pieces:
+    in the envelope a stop on ``}`` or ``"`` hit the wrapper (an answer cut before its first
+    word), and one inside the text matched its JSON escape, not the text."""
+    rng = random.Random(1)
+    call = '{"name": "f", "arguments": {"s": "a}b\\"c"}}'
+    answers = {EnvelopeStream: ('{"content": "Say \\"hi\\" to 2 + 2 = 4."}',
+                                '{"tool_calls": [' + call + "]}"),
+               HermesStream: ('Say "hi" to 2 + 2 = 4.', f"<tool_call>{call}</tool_call>")}  # fmt: skip
+    text, calls = answers[stream]
+    cases = [(["}"], 'Say "hi" to 2 + 2 = 4.', None, "stop"),
+             (['"'], "Say ", '"', "stop"), (["2 = ", "= 4"], 'Say "hi" to 2 + ', "2 = ", "stop"),
+             (['i" t'], 'Say "h', 'i" t', "stop")]  # fmt: skip
+    for stops, want, stop, finish in cases:
+        for include in (False, True):
+            for _ in range(20):
+                parser = StopAtText(stream(), stops, include)
+                content, got_calls, got_finish, _ = streamed(parser, text, rng)
+                expect = want + (stop if include and stop else "")
+                assert (content, got_calls, got_finish) == (expect, [], finish), (stops, include)
+                assert parser.stop_reason == stop
+    for _ in range(20):  # a call's JSON is not text: its braces and quotes stop nothing
+        parser = StopAtText(stream(), ["}", '"'])
+        content, got_calls, got_finish, _ = streamed(parser, calls, rng)
+        assert got_calls == [("f", '{"s": "a}b\\"c"}')] and got_finish == "tool_calls"
+        assert parser.stop_reason is None and not content
+
+
+def test_stop_sequences_with_tools_served(fake_server):
+    """Through the server (the fake engine matches stop strings on the raw text as the
+    engine does): chat, streamed and not, and Anthropic's Messages API."""
+    import httpx
+
+    script = ['{"content": "', "2 + 2", " = 4", '."}']
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    with fake_server(script=script) as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+        body = {"model": "fake-model", "messages": msgs, "tools": [tool], "max_tokens": 8}
+        for stop, content, reason in (["}"], "2 + 2 = 4.", None), (['"'], "2 + 2 = 4.", None), (
+                ["= "], "2 + 2 ", "= "):  # fmt: skip
+            choice = c.post("/v1/chat/completions", json={**body, "stop": stop}).json()[
+                "choices"][0]  # fmt: skip
+            assert (choice["message"]["content"], choice["finish_reason"]) == (content, "stop")
+            assert choice["stop_reason"] == reason
+            with c.stream("POST", "/v1/chat/completions",
+                          json={**body, "stop": stop, "stream": True}) as r:  # fmt: skip
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+            finishes = [ch["choices"][0]["finish_reason"] for ch in chunks]
+            assert text == content and finishes.count("stop") == 1, (stop, chunks)
+            assert chunks[-1]["choices"][0]["stop_reason"] == reason
+            anthropic_body = {"model": "fake-model", "max_tokens": 8, "messages": msgs,
+                              "stop_sequences": stop, "tools": [
+                                  {"name": "f", "input_schema": {"type": "object"}}]}  # fmt: skip
+            m = c.post("/v1/messages", json=anthropic_body).json()
+            assert m["content"] == [{"type": "text", "text": content}], m
+            assert (m["stop_reason"], m["stop_sequence"]) == (
+                ("stop_sequence", reason) if reason else ("end_turn", None)
+            )

@@ -24,11 +24,14 @@ class _Seq:
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     fail: bool = False
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the raw text
+    text: str = ""
 
 
 class FakeEngine:
     """Emits token ``100 + k`` with text ``"t{k} "`` for the k-th output token of a request
-    (with a ``script``: the text ``script[k]``, finishing with "stop" after the last piece).
+    (with a ``script``: the text ``script[k]``, finishing with "stop" after the last piece);
+    a stop string ends the text before it as the engine's detokenizer does (no hold-back).
 
     ``step_delay`` seconds per step; ``explode = True`` makes the next ``step()`` raise
     (kills the engine thread). Counts calls so tests can see the thread sleeping when idle.
@@ -86,7 +89,7 @@ class FakeEngine:
             prompt = prompts[k // params.n]
             n, fail = len(prompt), FAIL_TOKEN in prompt
             max_tokens = params.max_tokens or self.max_model_len - n
-            self.seqs[rid] = _Seq(request_id, k, n, max_tokens, fail=fail)
+            self.seqs[rid] = _Seq(request_id, k, n, max_tokens, fail=fail, stop=list(params.stop))
         self.usage[request_id] = Usage(prompt_tokens=sum(len(p) for p in prompts))
 
     def abort(self, request_id: str) -> bool:
@@ -138,16 +141,22 @@ class FakeEngine:
             self.usage[s.parent].completion_tokens += 1
             done = len(s.tokens) >= s.max_tokens
             ended = self.script is not None and len(s.tokens) >= len(self.script)
+            piece = self.script[k] if self.script is not None else f"t{k} "
+            hits = sorted((i, stop) for stop in s.stop if (i := (s.text + piece).find(stop)) >= 0)
+            if hits:
+                piece, ended = (s.text + piece)[len(s.text) : max(hits[0][0], len(s.text))], True
+            s.text += piece
             if done or ended:
                 del self.seqs[rid]
             out = StepOutput(
                 s.parent,
                 [100 + k],
-                self.script[k] if self.script is not None else f"t{k} ",
+                piece,
                 "stop" if ended else "length" if done else None,
                 s.index,
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_output_tokens=len(s.tokens),
+                stop_reason=hits[0][1] if hits else None,
             )
             outputs.append(self._finish_parent(out) if done or ended else out)
         return outputs

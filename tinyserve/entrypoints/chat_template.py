@@ -10,7 +10,7 @@ from typing import Any
 
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
-from tinyserve.entrypoints.tool_formats import tool_format
+from tinyserve.entrypoints.tool_formats import template_text, tool_format
 
 # apply_chat_template's own parameters: the server sets them; chat_template_kwargs may not.
 TEMPLATE_OWN_ARGS = frozenset({
@@ -37,11 +37,14 @@ def render_chat(
             f"chat_template_kwargs: {taken[0]!r} is set by the server", "chat_template_kwargs"
         )
     conversation = []
+    # OpenAI's developer role is its system role for a template that does not name it
+    # (SmolLM2's rendered "<|im_start|>developer" and added its default system prompt too).
+    developer = "developer" if "developer" in template_text(tokenizer) else "system"
     for m in messages:
         content = m.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        turn = {"role": m.role, "content": content or ""}
+        turn = {"role": developer if m.role == "developer" else m.role, "content": content or ""}
         if getattr(m, "reasoning_content", None):  # an earlier answer's thinking
             turn["reasoning_content"] = m.reasoning_content
         conversation.append(turn)

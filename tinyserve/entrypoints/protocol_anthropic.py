@@ -291,7 +291,10 @@ def message(message_id: str, model: str, blocks: list, reason: str | None,
             sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:  # fmt: skip
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}  # fmt: skip
+            # Anthropic's prompt caching (cache_control breakpoints) is not ours: its counts
+            # are 0, as its API reports them when none is used (the prefix cache is unseen).
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}  # fmt: skip
 
 
 class CountTokensResponse(BaseModel):

@@ -50,7 +50,7 @@ from tinyserve.entrypoints.structured_options import (
     with_json_options,
 )
 from tinyserve.entrypoints.tool_formats import calls_check, tool_format
-from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream
+from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, StopAtText, visible_stop
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
 from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -73,6 +73,13 @@ class Job:
     continuous_usage: bool = False  # and vLLM's continuous_usage_stats: usage on every chunk
     tools: list[T.Tool] = field(default_factory=list)
     json_answer: bool = False  # tools with a JSON response format: the answer without calls
+    # With tools, the stop strings match the answer's text, not the raw output (its wrapper):
+    # they leave the engine's params for the tool parser (tool_stream.StopAtText).
+    stops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tools and self.params.stop:
+            self.stops, self.params.stop = tuple(self.params.stop), []
 
 
 class OpenAIServing:
@@ -158,15 +165,8 @@ class OpenAIServing:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt_ids(
-        self,
-        messages,
-        add_generation_prompt=True,
-        tools=None,
-        tool_choice=None,
-        template_kwargs=None,
-        continue_final=False,
-    ) -> list[int]:
+    def chat_prompt_ids(self, messages, add_generation_prompt=True, tools=None, tool_choice=None,
+                        template_kwargs=None, continue_final=False) -> list[int]:  # fmt: skip
         """The conversation through the tokenizer's chat template (chat_template.py)."""
         return render_chat(self.tokenizer, messages, add_generation_prompt, tools or [],
                            tool_choice, template_kwargs, continue_final)  # fmt: skip
@@ -282,24 +282,29 @@ class OpenAIServing:
 
     def answer_tools(
         self, job: Job, text: str, finish: str | None, stop_reason: int | str | None = None
-    ) -> tuple[str | None, list, str | None]:
-        """Content, calls and the finish reason (``tool_calls`` where calls end it): parsed
+    ) -> tuple[str | None, list, str | None, int | str | None]:
+        """Content, calls, the finish reason (``tool_calls`` where calls end it) and the stop
+        reason (a stop string of the text, Job.stops, where one ended it): parsed
         whole when the answer ended; as the stream parser sent them when cut (by max_tokens,
         a stop string or a stop token): a cut call stays a call, and the envelope's text
         its content, never the raw wrapper."""
         if not job.tools or finish not in ("stop", "length"):
-            return text, [], finish
-        if finish == "stop" and stop_reason is None:
+            return text, [], finish, stop_reason
+        if finish == "stop" and stop_reason is None and not job.stops:
             content, calls = self.parse_tools(text, job)
-            return content, calls, "tool_calls" if calls else finish
+            return content, calls, "tool_calls" if calls else finish, None
         parser = self.tool_stream(job)
         events = parser.feed(text) + parser.finish(finish)
-        return *collect_calls(events), events[-1][1]
+        return *collect_calls(events), events[-1][1], visible_stop(parser) or stop_reason
 
-    def tool_stream(self, job: Job) -> ToolStream:
-        """A parser of the streamed answer, the counterpart of ``parse_tools``."""
+    def tool_stream(self, job: Job) -> ToolStream | StopAtText:
+        """A parser of the streamed answer, the counterpart of ``parse_tools`` (behind the
+        job's stop strings, if any)."""
         fmt = tool_format(self.tokenizer)
-        return EnvelopeStream(job.json_answer) if fmt is None else fmt.stream(_answer_names(job))
+        parser = EnvelopeStream(job.json_answer) if fmt is None else fmt.stream(_answer_names(job))
+        if job.stops:
+            return StopAtText(parser, job.stops, job.params.include_stop_str_in_output)
+        return parser
 
     def tool_decoding(self, tools: list[T.Tool]) -> dict[str, Any]:
         """Sampling settings the tools' format needs: its marker is a special token that

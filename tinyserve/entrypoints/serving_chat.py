@@ -33,6 +33,7 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     usage_info,
 )
+from tinyserve.entrypoints.tool_stream import visible_stop
 from tinyserve.outputs import StepOutput, Usage
 
 
@@ -100,7 +101,7 @@ class ChatServing(OpenAIServing):
             reasoning, text = None, c.text
             if job.thinks:
                 reasoning, text = R.split_reasoning(c.text, job.thinking_open)
-            content, calls, finish = self.answer_tools(job, text or "", finish, c.stop_reason)
+            content, calls, finish, stop = self.answer_tools(job, text or "", finish, c.stop_reason)
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = L.chat_logprobs(c.logprobs, self.token_str, self.token_bytes)
@@ -113,7 +114,7 @@ class ChatServing(OpenAIServing):
                     message=message,
                     logprobs=logprobs,
                     finish_reason=finish,
-                    stop_reason=c.stop_reason,
+                    stop_reason=stop,
                 )  # fmt: skip
             )
         result = P.ChatCompletionResponse(
@@ -160,10 +161,11 @@ class ChatServing(OpenAIServing):
                 parser = job.parsers[out.index] = self.tool_stream(job)
             events = parser.feed(text)
             events += parser.finish(finish) if finish is not None else []
-            if not events and out.logprobs and lp is not None:
+            if not events and out.logprobs and lp is not None and visible_stop(parser) is None:
                 events = [({}, None)]
+            stop = visible_stop(parser) or out.stop_reason
             return [
-                _chunk(head, out.index, delta, lp if n == 0 else None, fr, out.stop_reason)
+                _chunk(head, out.index, delta, lp if n == 0 else None, fr, stop)
                 for n, (delta, fr) in enumerate(events)
             ]
         if not text and finish is None and (not out.logprobs or lp is None):

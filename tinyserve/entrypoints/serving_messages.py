@@ -35,6 +35,8 @@ from tinyserve.entrypoints.streaming import (
     stream_deltas,
 )
 from tinyserve.entrypoints.structured_options import with_json_options
+from tinyserve.entrypoints.tool_formats import tool_format
+from tinyserve.entrypoints.tool_stream import visible_stop
 from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams
 
@@ -50,10 +52,17 @@ class MessagesServing(OpenAIServing):
         return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
 
     async def prepare(self, req: A.MessagesRequest) -> Job:
-        prompt_ids, tools, choice, parallel = await self._prompt(req)
+        prompt_ids, tools, choice, parallel, prefill = await self._prompt(req)
         if req.max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", "max_tokens")
         fmt = req.output_config.format if req.output_config else None
+        if prefill and (fmt is not None or (tools and tool_format(self.tokenizer) is None)):
+            # The grammar would start the answer anew after the prefill: 'The answer is'
+            # followed by a whole new envelope, or '{' by a whole new JSON object.
+            raise bad_request("messages: an assistant prefill cannot be continued under "
+                              + ("output_config.format" if fmt is not None else
+                                 "tools with this model (its chat template has no tool "
+                                 "support: the answer is a JSON envelope)"), "messages")  # fmt: skip
         if fmt is not None:  # Anthropic's structured outputs: chat's json_schema format
             fmt = format_constraint("json_schema", fmt.schema_, "output_config.format",
                                     "output_config.format.schema")  # fmt: skip
@@ -76,7 +85,7 @@ class MessagesServing(OpenAIServing):
         return Job(A.new_message_id(), [prompt_ids], params, stream=req.stream,
                    tools=tools, json_answer=json_answer)  # fmt: skip
 
-    async def _prompt(self, req: A.MessagesRequest) -> tuple[list[int], list, Any, bool]:
+    async def _prompt(self, req: A.MessagesRequest) -> tuple[list[int], list, Any, bool, bool]:
         req.check()
         choice, parallel = req.chat_tool_choice()
         tools = self.checked_tools(req.chat_tools() or None, choice)
@@ -84,7 +93,7 @@ class MessagesServing(OpenAIServing):
         size = sum(len(m.content or "") if isinstance(m.content, str) else 0 for m in messages)
         prompt_ids = await off_loop(size, self.chat_prompt_ids, messages, True, tools, choice,
                                     None, prefill)  # fmt: skip
-        return prompt_ids, tools, choice, parallel
+        return prompt_ids, tools, choice, parallel, prefill
 
     async def count_tokens(self, req: A.CountTokensRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -92,8 +101,9 @@ class MessagesServing(OpenAIServing):
         return {"input_tokens": len(prompt_ids)}
 
     def _answer(self, job: Job, c: Choice) -> tuple[list[dict[str, Any]], str, str | None]:
-        content, calls, _ = self.answer_tools(job, c.text, c.finish_reason, c.stop_reason)
-        reason, sequence = A.stop_reason(c.finish_reason, c.stop_reason, bool(calls))
+        content, calls, _, stop = self.answer_tools(job, c.text, c.finish_reason, c.stop_reason)
+        finish = "stop" if isinstance(stop, str) else c.finish_reason  # a stop string won
+        reason, sequence = A.stop_reason(finish, stop, bool(calls))
         return A.content_blocks(content, calls), reason, sequence
 
     def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:
@@ -119,6 +129,8 @@ class MessagesServing(OpenAIServing):
             return
         for event in blocks.close():
             yield event
+        if (text_stop := visible_stop(parser)) is not None:  # a stop string in the text
+            finish, stop = "stop", text_stop
         reason, sequence = A.stop_reason(finish, stop, blocks.called and finish != "length")
         output_tokens = usage.completion_tokens if usage else 0
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},

@@ -42,6 +42,7 @@ from tinyserve.entrypoints.streaming import (
     outputs,
     stream_deltas,
 )
+from tinyserve.entrypoints.tool_stream import visible_stop
 from tinyserve.outputs import Usage
 
 
@@ -106,7 +107,7 @@ class ResponsesServing(OpenAIServing):
         # The whole text through the stream's parsers: the same items as when streamed.
         parser = self.tool_stream(job) if job.tools else None
         list(_answer_events(job, parser, choice.text, choice.finish_reason))  # events dropped
-        job.builder.finish(choice.finish_reason, usage)
+        job.builder.finish("stop" if visible_stop(parser) else choice.finish_reason, usage)
         return dump(job.builder.response)
 
     async def _events(
@@ -128,7 +129,7 @@ class ResponsesServing(OpenAIServing):
             for event in builder.fail(engine_error(e)):
                 yield event
             return
-        for event in builder.finish(finish, usage):
+        for event in builder.finish("stop" if visible_stop(parser) else finish, usage):
             yield event
 
 

@@ -256,3 +256,55 @@ def partial_tag(text: str, tag: str = _TAG) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+class StopAtText:
+    """Stop strings over what the client sees of an answer with tools (its text), not the
+    raw output: there they matched the wrapper (``{"content": "``, the closing ``"}``, a
+    call's JSON), so ``"`` ended every envelope answer before its first word and ``}`` a
+    complete one. Wraps a choice's parser: content is held back while a stop string may
+    begin in it, cut where one ends it (kept with ``include``), then the choice finishes
+    (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The engine
+    then runs on to the answer's end, whose text nobody sees."""
+
+    def __init__(self, inner, stops, include: bool = False) -> None:
+        self.inner, self.stops, self.include = inner, list(stops), include
+        self._holdback = max(len(s) for s in self.stops) - 1
+        self._held = ""
+        self.stop_reason: str | None = None
+
+    def feed(self, text: str) -> list[Event]:
+        return [] if self.stop_reason is not None else self._filter(self.inner.feed(text))
+
+    def finish(self, finish_reason: str) -> list[Event]:
+        if self.stop_reason is not None:
+            return []
+        return self._filter(self.inner.finish(finish_reason))
+
+    def _filter(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for delta, finish_reason in events:
+            if set(delta) != {"content"} or finish_reason is not None:
+                if self._held:  # anything else ends the text a stop string could span
+                    out.append(({"content": self._held}, None))
+                    self._held = ""
+                out.append((delta, finish_reason))
+                continue
+            self._held += delta["content"]
+            hits = [(i, n, s) for n, s in enumerate(self.stops) if (i := self._held.find(s)) >= 0]
+            if hits:
+                i, _, stop = min(hits)
+                text = self._held[: i + len(stop) if self.include else i]
+                out += [({"content": text}, None)] if text else []
+                self.stop_reason, self._held = stop, ""
+                return out + [({}, "stop")]
+            keep = max(len(self._held) - self._holdback, 0)
+            if keep:
+                out.append(({"content": self._held[:keep]}, None))
+                self._held = self._held[keep:]
+        return out
+
+
+def visible_stop(parser) -> str | None:
+    """The stop string that ended a choice's text (StopAtText), or None."""
+    return parser.stop_reason if isinstance(parser, StopAtText) else None

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in FILES:  # interleaved, the order rotating each repetition
                     for way, predicted in ways[rep % 3 :] + ways[: rep % 3]:
                         c = clients["off" if way == "off" else "default"]
-                        salt = f"{nonce}-{rep}-{way}"
+                        salt = f"{nonce}-{rep}-{way}-{style}-{name}"  # each its own
                         run = one(c, name, predicted, salt, style)
                         runs.append({**run, "way": way, "repeat": rep})
     finally:

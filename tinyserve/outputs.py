@@ -138,8 +138,14 @@ def kept_in_order(prediction, output, anchor: int = 4, reach: int = 256) -> int:
         if output[i] == prediction[pos]:
             kept, pos, i = kept + 1, pos + 1, i + 1
             continue
-        spots = where.get(tuple(output[i : i + anchor]), ())
-        j = bisect.bisect_left(spots, pos)
+        run = output[i : i + anchor]
+        if len(run) < anchor:  # the output's last tokens: the run where it occurs next
+            ahead = next((j for j in range(pos, min(pos + reach, len(prediction)))
+                          if list(prediction[j : j + len(run)]) == list(run)), None)  # fmt: skip
+            spots, j = ([ahead], 0) if ahead is not None else ((), 0)
+        else:
+            spots = where.get(tuple(run), ())
+            j = bisect.bisect_left(spots, pos)
         if j < len(spots) and spots[j] - pos < reach:
             pos = spots[j]  # the next round keeps output[i]
         else:

@@ -97,6 +97,12 @@ def test_null_is_the_default_for_every_field_that_has_one(fake_server):
                                    "max_output_tokens": 2})  # fmt: skip
             assert r.status_code == 200, (path, r.text)
             assert "choices" in r.json() or r.json()["object"] == "response"
+    # Where the type takes None, null is a value: completions' max_tokens null is all the
+    # room left (the fake engine's 512-token window), not the default 16.
+    assert (
+        P.CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None}).max_tokens is None
+    )
+    assert P.CompletionRequest.model_validate({"prompt": "hi"}).max_tokens == 16
 
 
 def test_ignored_fields_pass_and_unknown_ones_are_logged(fake_server, caplog):

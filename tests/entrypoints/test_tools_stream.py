@@ -219,6 +219,11 @@ def test_stop_strings_end_the_text_the_client_sees_not_the_wrapper(stream):
                 expect = want + (stop if include and stop else "")
                 assert (content, got_calls, got_finish) == (expect, [], finish), (stops, include)
                 assert parser.stop_reason == stop
+    if stream is HermesStream:  # text after complete calls: a stop there still says tool_calls
+        parser = StopAtText(stream(), ["."])
+        content, got_calls, got_finish, _ = streamed(parser, calls + "\nDone. ok", rng)
+        assert (content, got_finish, parser.stop_reason) == ("Done", "tool_calls", ".")
+        assert got_calls == [("f", '{"s": "a}b\\"c"}')]
     for _ in range(20):  # a call's JSON is not text: its braces and quotes stop nothing
         parser = StopAtText(stream(), ["}", '"'])
         content, got_calls, got_finish, _ = streamed(parser, calls, rng)

@@ -49,6 +49,7 @@ def test_kept_in_order_counts_an_edited_copy():
     assert kept_in_order(pred, [999] * 10) == 0
     assert kept_in_order(pred, pred[::-1]) == 1  # order matters
     assert kept_in_order(pred, pred[:10] + pred[30:]) == 30  # a deletion
+    assert kept_in_order(pred, pred[:-3] + [999] + pred[-2:]) == 49  # an edit in the last 4
 
 
 def test_kept_in_order_is_not_thrown_by_a_preamble():

@@ -5,6 +5,8 @@ default."""
 from __future__ import annotations
 
 import functools
+import types
+import typing
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -52,12 +54,24 @@ class _Request(BaseModel):
 
 @functools.cache
 def _defaulted(cls: type[BaseModel]) -> frozenset[str]:
-    """The names (and aliases) of ``cls``'s fields whose default is not None."""
+    """The names (and aliases) of ``cls``'s fields whose default is not None and whose type
+    does not take None: where it does, null is a value of its own (completions'
+    ``max_tokens: null`` is all the room left in the context, not the default 16)."""
     keys = set()
     for name, f in cls.model_fields.items():
-        if not f.is_required() and (f.default_factory is not None or f.default is not None):
+        if f.is_required() or _takes_none(f.annotation):
+            continue
+        if f.default_factory is not None or f.default is not None:
             keys.update({name, f.alias or name})
     return frozenset(keys)
+
+
+def _takes_none(annotation) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(
+        _takes_none(a) for a in typing.get_args(annotation)
+    )
 
 
 class _Response(BaseModel):

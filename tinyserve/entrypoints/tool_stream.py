@@ -271,6 +271,7 @@ class StopAtText:
         self.inner, self.stops, self.include = inner, list(stops), include
         self._holdback = max(len(s) for s in self.stops) - 1
         self._held = ""
+        self._called = False  # a call has begun: a stop in later text ends with tool_calls
         self.stop_reason: str | None = None
 
     def feed(self, text: str) -> list[Event]:
@@ -288,6 +289,7 @@ class StopAtText:
                 if self._held:  # anything else ends the text a stop string could span
                     out.append(({"content": self._held}, None))
                     self._held = ""
+                self._called = self._called or "tool_calls" in delta
                 out.append((delta, finish_reason))
                 continue
             self._held += delta["content"]
@@ -297,7 +299,7 @@ class StopAtText:
                 text = self._held[: i + len(stop) if self.include else i]
                 out += [({"content": text}, None)] if text else []
                 self.stop_reason, self._held = stop, ""
-                return out + [({}, "stop")]
+                return out + [({}, "tool_calls" if self._called else "stop")]
             keep = max(len(self._held) - self._holdback, 0)
             if keep:
                 out.append(({"content": self._held[:keep]}, None))

@@ -12,6 +12,7 @@ import pytest
 
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, JsonScanner, StopAtText
+from tinyserve.testing.server import wait_until
 
 TEXT_BITS = ["a", " ", "\n", "  ", "<", "<tool", "<tool_", "tool_call>", "</tool_call>", "é",
              "😀", '"', "\\", "{", "}", "Sure.", "<tool_cal", "\t", "x<tool_callx"]  # fmt: skip
@@ -236,10 +237,13 @@ def test_stop_sequences_with_tools_served(fake_server):
     engine does): chat, streamed and not, and Anthropic's Messages API."""
     import httpx
 
-    script = ['{"content": "', "2 + 2", " = 4", '."}']
+    script = ['{"content": "', "2 + 2", " = 4", '."}', " ", " "]  # (trailing steps: to abort)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     msgs = [{"role": "user", "content": "hi"}]
-    with fake_server(script=script) as s, httpx.Client(base_url=s.base_url, timeout=30) as c:
+    with (
+        fake_server(script=script, step_delay=0.05) as s,
+        httpx.Client(base_url=s.base_url, timeout=30) as c,
+    ):
         body = {"model": "fake-model", "messages": msgs, "tools": [tool], "max_tokens": 8}
         for stop, content, reason in (["}"], "2 + 2 = 4.", None), (['"'], "2 + 2 = 4.", None), (
                 ["= "], "2 + 2 ", "= "):  # fmt: skip
@@ -247,13 +251,20 @@ def test_stop_sequences_with_tools_served(fake_server):
                 "choices"][0]  # fmt: skip
             assert (choice["message"]["content"], choice["finish_reason"]) == (content, "stop")
             assert choice["stop_reason"] == reason
-            with c.stream("POST", "/v1/chat/completions",
-                          json={**body, "stop": stop, "stream": True}) as r:  # fmt: skip
+            aborted = len(s.engine.aborted)
+            with c.stream("POST", "/v1/chat/completions", json={
+                    **body, "stop": stop, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:  # fmt: skip
                 chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            *chunks, usage = chunks
             text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
             finishes = [ch["choices"][0]["finish_reason"] for ch in chunks]
             assert text == content and finishes.count("stop") == 1, (stop, chunks)
             assert chunks[-1]["choices"][0]["stop_reason"] == reason
+            assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 3
+            # a stop of the text ends the stream and the request at once (it is aborted)
+            want = aborted + (reason is not None)
+            assert wait_until(lambda want=want: len(s.engine.aborted) == want)
             anthropic_body = {"model": "fake-model", "max_tokens": 8, "messages": msgs,
                               "stop_sequences": stop, "tools": [
                                   {"name": "f", "input_schema": {"type": "object"}}]}  # fmt: skip
@@ -262,3 +273,13 @@ def test_stop_sequences_with_tools_served(fake_server):
             assert (m["stop_reason"], m["stop_sequence"]) == (
                 ("stop_sequence", reason) if reason else ("end_turn", None)
             )
+            aborted = len(s.engine.aborted)
+            with c.stream("POST", "/v1/messages", json={**anthropic_body, "stream": True}) as r:
+                events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+            delta = next(e for e in events if e["type"] == "message_delta")
+            assert (
+                delta["delta"]["stop_sequence"] == reason and events[-1]["type"] == "message_stop"
+            )
+            assert delta["usage"]["output_tokens"] >= 3
+            want = aborted + (reason is not None)
+            assert wait_until(lambda want=want: len(s.engine.aborted) == want)

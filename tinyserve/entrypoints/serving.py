@@ -81,6 +81,9 @@ class Job:
         if self.tools and self.params.stop:
             self.stops, self.params.stop = tuple(self.params.stop), []
 
+    def answered(self) -> bool:  # every choice ended by a stop string of its text: abort
+        return False
+
 
 class OpenAIServing:
     """The shared steps, called by each API's class; none of them calls back into it."""

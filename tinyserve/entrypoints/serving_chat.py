@@ -44,6 +44,11 @@ class ChatJob(Job):
     thinking_open: bool = False  # the prompt ends inside <think>
     splitters: dict[int, R.ReasoningSplitter] = field(default_factory=dict)  # streamed
 
+    def answered(self) -> bool:
+        return len(self.parsers) == self.params.n and all(
+            visible_stop(p) is not None for p in self.parsers.values()
+        )
+
 
 class ChatServing(OpenAIServing):
     async def create(self, req: P.ChatCompletionRequest, raw: Request) -> Response:

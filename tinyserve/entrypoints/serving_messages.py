@@ -117,13 +117,17 @@ class MessagesServing(OpenAIServing):
         yield {"type": "message_start", "message": head}
         yield {"type": "ping"}
         parser = self.tool_stream(job) if job.tools else None
-        blocks, finish, stop, usage = _Blocks(), None, None, None
+        blocks, finish, stop, usage, tokens = _Blocks(), None, None, None, 0
         try:
             async for out in outputs(stream):
                 usage, finish, stop = out.usage or usage, finish_reason_of(out), out.stop_reason
+                tokens = out.num_output_tokens
                 for delta in stream_deltas(parser, out.text_delta, finish):
                     for event in blocks.feed(delta):
                         yield event
+                if visible_stop(parser) is not None and out.usage is None:
+                    stream.abort()  # a stop sequence of the text: nothing more to send
+                    break
         except (RequestFailedError, EngineDeadError) as e:
             yield {"type": "error", **A.error_body(engine_error(e))}
             return
@@ -132,7 +136,7 @@ class MessagesServing(OpenAIServing):
         if (text_stop := visible_stop(parser)) is not None:  # a stop string in the text
             finish, stop = "stop", text_stop
         reason, sequence = A.stop_reason(finish, stop, blocks.called and finish != "length")
-        output_tokens = usage.completion_tokens if usage else 0
+        output_tokens = usage.completion_tokens if usage else tokens
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                "usage": {"output_tokens": output_tokens}}  # fmt: skip
         yield {"type": "message_stop"}

@@ -114,8 +114,13 @@ class ChunkFrame:
             )  # as the final usage counts them
             for chunk in per_output(out, finish_reason_of(out)):
                 yield self.mark(chunk)
+            if self.job.answered() and out.usage is None:  # every choice ended by a stop
+                stream.abort()  # string of its text (Job.stops): nothing more to send
+                break
         if self.job.include_usage:
-            yield {**self.head, "choices": [], "usage": usage_info(self.usage).model_dump()}
+            usage = self.usage or Usage(sum(map(len, self.job.prompts)), sum(self.counts.values()),
+                                        self.cached)  # fmt: skip
+            yield {**self.head, "choices": [], "usage": usage_info(usage).model_dump()}
 
     def mark(self, chunk: dict[str, Any]) -> dict[str, Any]:
         job = self.job

@@ -264,8 +264,8 @@ class StopAtText:
     call's JSON), so ``"`` ended every envelope answer before its first word and ``}`` a
     complete one. Wraps a choice's parser: content is held back while a stop string may
     begin in it, cut where one ends it (kept with ``include``), then the choice finishes
-    (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The engine
-    then runs on to the answer's end, whose text nobody sees."""
+    (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. A stream
+    then aborts the request (Job.answered); a non-streamed answer was generated whole."""
 
     def __init__(self, inner, stops, include: bool = False) -> None:
         self.inner, self.stops, self.include = inner, list(stops), include

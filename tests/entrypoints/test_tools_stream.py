@@ -247,10 +247,16 @@ def test_stop_sequences_with_tools_served(fake_server):
         body = {"model": "fake-model", "messages": msgs, "tools": [tool], "max_tokens": 8}
         for stop, content, reason in (["}"], "2 + 2 = 4.", None), (['"'], "2 + 2 = 4.", None), (
                 ["= "], "2 + 2 ", "= "):  # fmt: skip
-            choice = c.post("/v1/chat/completions", json={**body, "stop": stop}).json()[
-                "choices"][0]  # fmt: skip
+            aborted = len(s.engine.aborted)
+            answer = c.post("/v1/chat/completions", json={**body, "stop": stop}).json()
+            choice = answer["choices"][0]
             assert (choice["message"]["content"], choice["finish_reason"]) == (content, "stop")
             assert choice["stop_reason"] == reason
+            # a stop of the text ends the request there (aborted: the 6-piece script's 3),
+            # not after the envelope (or the context: a looping model ran 142 s)
+            want = aborted + (reason is not None)
+            assert wait_until(lambda want=want: len(s.engine.aborted) == want)
+            assert answer["usage"]["completion_tokens"] == (3 if reason else 6)
             aborted = len(s.engine.aborted)
             with c.stream("POST", "/v1/chat/completions", json={
                     **body, "stop": stop, "stream": True,

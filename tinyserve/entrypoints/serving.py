@@ -1,19 +1,15 @@
 """The base of every API handler: the steps every API shares, as methods its class calls.
 
 Each API's class (serving_chat.py, serving_completion.py, serving_responses.py,
-serving_messages.py, serving_tokens.py) drives its own request in one method, ``create``:
-``check_request`` (the model, unknown fields) -> its own ``prepare`` (validate, SamplingParams,
-prompt token ids: a ``Job``) -> ``submit`` (log, compile the grammar off the loop, add to the
-engine) -> stream (``sse`` of its own chunks, framed by streaming.ChunkFrame for the OpenAI
-APIs) or ``collect`` and its own ``response``. The arrows point one way: an API's class calls
-down into this base, which never calls back into it (tests/entrypoints/test_serving_walk.py).
-
-Shared here so that it is written once: the tokenizer and chat template, the common
-sampling fields, a response format as a grammar (``format_constraint``: chat's
-``response_format``, the Responses API's ``text.format``), the rules between a format,
-vLLM's ``structured_outputs`` and tools (``constraint``), tool grammars and parsers, and
-token strings for logprobs. Templating and tokenising of large inputs run in a worker thread
-(streaming.off_loop), so a megabyte prompt does not stall the other streams on the loop.
+serving_messages.py, serving_tokens.py) drives its own request in ``create``:
+``check_request`` -> its own ``prepare`` (validate, SamplingParams, prompt ids: a ``Job``) ->
+``submit`` (log, compile the grammar off the loop, add to the engine) -> stream (``sse`` of
+its own chunks, framed by streaming.ChunkFrame for the OpenAI APIs) or ``collect`` and its
+own ``response``. The arrows point one way: an API's class calls down into this base, never
+back (tests/entrypoints/test_serving_walk.py). Shared here: the tokenizer and chat template,
+the common sampling fields, a response format as a grammar (``format_constraint``), the
+rules between a format, ``structured_outputs`` and tools (``constraint``), tool grammars and
+parsers, token strings for logprobs. Large inputs are templated off the loop (off_loop).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -31,13 +28,13 @@ from tinyserve.engine.client import EngineClient, EngineDeadError, OutputStream,
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints import reasoning as R
+from tinyserve.entrypoints import tool_stream as TS
 from tinyserve.entrypoints import tools as T
 from tinyserve.entrypoints.chat_template import render_chat
 from tinyserve.entrypoints.prediction import prediction_ids
 from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.request_fields import check_extra_fields
 from tinyserve.entrypoints.streaming import (
-    Choice,
     ChunkFrame,
     collect,
     engine_error,
@@ -50,13 +47,11 @@ from tinyserve.entrypoints.structured_options import (
     with_json_options,
 )
 from tinyserve.entrypoints.tool_formats import calls_check, tool_format
-from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, StopAtText, visible_stop
 from tinyserve.entrypoints.tool_stream_marked import MarkedStream, collect_calls
-from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyserve.structured.strict import closed_objects
 
-ToolStream = HermesStream | EnvelopeStream | MarkedStream
+ToolStream = TS.HermesStream | TS.EnvelopeStream | MarkedStream | TS.StopAtText
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +127,15 @@ class OpenAIServing:
         except (QueueFullError, EngineDeadError) as e:
             raise engine_error(e) from None
 
-    async def collect(
-        self, raw: Request, stream: OutputStream
-    ) -> tuple[list[Choice], Usage | None]:
-        """The whole answer; the request is aborted if the client goes away first."""
-        return await until_disconnect(raw, collect(stream), stream)
+    async def collect(self, raw: Request, stream: OutputStream, job: Job | None = None):
+        """The whole answer (choices, usage); the request is aborted if the client goes away
+        first, or once stop strings of its text (``job.stops``) have ended every choice."""
+        answered = None  # (not where a <think> block comes first: chat's thinks, responses')
+        thinks = getattr(job, "thinks", False) or getattr(job, "splitter", None) is not None
+        if job is not None and job.stops and not thinks:
+            choices = job.params.n * len(job.prompts)
+            answered = TS.all_stopped(partial(self.tool_stream, job), choices)
+        return await until_disconnect(raw, collect(stream, answered), stream)
 
     def sse(self, events: AsyncIterator[dict[str, Any]], typed: bool = False) -> Response:
         """A ``text/event-stream`` of ``events``; on SIGTERM it gets the grace period."""
@@ -298,15 +297,15 @@ class OpenAIServing:
             return content, calls, "tool_calls" if calls else finish, None
         parser = self.tool_stream(job)
         events = parser.feed(text) + parser.finish(finish)
-        return *collect_calls(events), events[-1][1], visible_stop(parser) or stop_reason
+        return *collect_calls(events), events[-1][1], TS.visible_stop(parser) or stop_reason
 
-    def tool_stream(self, job: Job) -> ToolStream | StopAtText:
+    def tool_stream(self, job: Job) -> ToolStream:
         """A parser of the streamed answer, the counterpart of ``parse_tools`` (behind the
         job's stop strings, if any)."""
-        fmt = tool_format(self.tokenizer)
-        parser = EnvelopeStream(job.json_answer) if fmt is None else fmt.stream(_answer_names(job))
+        fmt, names = tool_format(self.tokenizer), _answer_names(job)
+        parser = TS.EnvelopeStream(job.json_answer) if fmt is None else fmt.stream(names)
         if job.stops:
-            return StopAtText(parser, job.stops, job.params.include_stop_str_in_output)
+            return TS.StopAtText(parser, job.stops, job.params.include_stop_str_in_output)
         return parser
 
     def tool_decoding(self, tools: list[T.Tool]) -> dict[str, Any]:

@@ -58,7 +58,7 @@ class ChatServing(OpenAIServing):
         stream = await self.submit(job, req)
         if job.stream:
             return self.sse(self.chunks(job, stream))
-        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))
 
     async def prepare(self, req: P.ChatCompletionRequest) -> ChatJob:
         if req.top_logprobs is not None and not req.logprobs:

@@ -54,7 +54,7 @@ class CompletionServing(OpenAIServing):
             raise
         if job.stream:
             return self.sse(self.chunks(job, stream))
-        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))
 
     async def prepare(self, req: P.CompletionRequest) -> CompletionJob:
         if req.suffix:

@@ -49,7 +49,7 @@ class MessagesServing(OpenAIServing):
         stream = await self.submit(job, req)
         if job.stream:
             return self.sse(self._events(job, stream), typed=True)
-        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))
 
     async def prepare(self, req: A.MessagesRequest) -> Job:
         prompt_ids, tools, choice, parallel, prefill = await self._prompt(req)

@@ -68,7 +68,7 @@ class ResponsesServing(OpenAIServing):
         if job.stream:
             parser = self.tool_stream(job) if job.tools else None
             return self.sse(self._events(job, stream, parser), typed=True)
-        return AnswerResponse(self.response(job, *await self.collect(raw, stream)))
+        return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))
 
     async def prepare(self, req: ResponsesRequest, raw: Request) -> ResponsesJob:
         req.check_stateless()

@@ -171,10 +171,15 @@ async def outputs(stream: OutputStream) -> AsyncIterator[StepOutput]:
         stream.abort()
 
 
-async def collect(stream: OutputStream) -> tuple[list[Choice], Usage | None]:
-    """A non-streamed request: every choice in index order, and the request's usage."""
+async def collect(
+    stream: OutputStream, answered: Callable[[StepOutput], bool] | None = None
+) -> tuple[list[Choice], Usage | None]:
+    """A non-streamed request: every choice in index order, and the request's usage.
+    ``answered(out)`` (fed every output): True once nothing more is wanted (every choice
+    ended by a stop string of its text, serving.text_stops): the request is aborted there
+    and the usage counts the tokens so far."""
     choices: dict[int, Choice] = {}
-    usage = None
+    usage, prompt_tokens = None, {}
     async for out in outputs(stream):
         c = choices.setdefault(out.index, Choice(prompt_index=out.prompt_index))
         c.finish_reason = finish_reason_of(out)
@@ -184,6 +189,13 @@ async def collect(stream: OutputStream) -> tuple[list[Choice], Usage | None]:
         c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
         c.stop_reason = out.stop_reason
         usage = out.usage or usage
+        prompt_tokens[out.prompt_index] = out.num_prompt_tokens
+        if answered is not None and answered(out) and out.usage is None:
+            stream.abort()
+            usage = Usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))
+            for c in choices.values():  # each ended by a stop string of its text
+                c.finish_reason = c.finish_reason or "stop"
+            break
     return [choices[i] for i in sorted(choices)], usage
 
 

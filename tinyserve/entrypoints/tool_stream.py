@@ -264,8 +264,8 @@ class StopAtText:
     call's JSON), so ``"`` ended every envelope answer before its first word and ``}`` a
     complete one. Wraps a choice's parser: content is held back while a stop string may
     begin in it, cut where one ends it (kept with ``include``), then the choice finishes
-    (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. A stream
-    then aborts the request (Job.answered); a non-streamed answer was generated whole."""
+    (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The request
+    is then aborted (Job.answered for a stream, ``all_stopped`` for a whole answer)."""
 
     def __init__(self, inner, stops, include: bool = False) -> None:
         self.inner, self.stops, self.include = inner, list(stops), include
@@ -310,3 +310,17 @@ class StopAtText:
 def visible_stop(parser) -> str | None:
     """The stop string that ended a choice's text (StopAtText), or None."""
     return parser.stop_reason if isinstance(parser, StopAtText) else None
+
+
+def all_stopped(make, choices: int):
+    """``answered(out)`` for a non-streamed answer (streaming.collect): each choice's text
+    through its own parser from ``make()`` (a StopAtText), True once all ``choices`` have
+    met a stop string, so that the request is aborted there."""
+    parsers: dict[int, StopAtText] = {}
+
+    def answered(out) -> bool:
+        parser = parsers.get(out.index) or parsers.setdefault(out.index, make())
+        parser.feed(out.text_delta)
+        return len(parsers) == choices and all(map(visible_stop, parsers.values()))
+
+    return answered

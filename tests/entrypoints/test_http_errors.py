@@ -340,3 +340,18 @@ def test_prompts_and_key_stay_out_of_logs(fake_server, caplog, log_requests):
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "sekret-key-99" not in text and "wrong" not in text
     assert (secret_prompt in text) == log_requests
+
+
+def test_a_lone_surrogate_in_a_tools_description_is_its_fields_400(client):
+    """The tools' models did not check their strings: the template failed on it, a 400
+    blamed on messages ("TextEncodeInput must be Union[...]")."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "x Y y"}}],
+    }
+    raw = json.dumps(body).replace("x Y y", "x \\ud83d y")  # the escape, as JSON sends it
+    r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    err = assert_error(r, 400, "tools[0].function.description")
+    assert "surrogate" in err["message"]

@@ -289,3 +289,7 @@ def test_stop_sequences_with_tools_served(fake_server):
             assert delta["usage"]["output_tokens"] >= 3
             want = aborted + (reason is not None)
             assert wait_until(lambda want=want: len(s.engine.aborted) == want)
+        # a stop at the text's start: content "" as without tools (it was null)
+        choice = c.post("/v1/chat/completions", json={**body, "stop": ["2 +"]}).json()["choices"][0]
+        assert (choice["message"]["content"], choice["message"].get("tool_calls")) == ("", None)
+        assert choice["finish_reason"] == "stop"

@@ -215,4 +215,5 @@ def collect_calls(events: list[Event]) -> tuple[str | None, list[ToolCall]]:
                     name=fn.get("name") or "", arguments=fn.get("arguments") or ""))  # fmt: skip
             elif e["index"] in calls:
                 calls[e["index"]].function.arguments += fn.get("arguments") or ""
-    return content, [calls[i] for i in sorted(calls)]
+    # No calls: the content, "" when empty (as a stop string at the start gives without tools)
+    return content if content is not None or calls else "", [calls[i] for i in sorted(calls)]

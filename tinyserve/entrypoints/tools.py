@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tinyserve.entrypoints.protocol_base import _Request
 from tinyserve.structured.strict import closed_objects, dangling_ref
 from tinyserve.utils.regex_size import check_regex, schema_patterns
 
@@ -50,7 +51,7 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class FunctionDefinition(_Wire):
+class FunctionDefinition(_Request):  # a lone surrogate in a description is the field's 400
     name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None

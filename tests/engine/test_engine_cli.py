@@ -60,6 +60,22 @@ def test_generate_without_prompt_fails_cleanly(tmp_path):
     assert main(["generate", "--file", str(empty)]) == 2
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [(["--max-model-len", "-5", "hi"], "max_model_len must be >= 2, got -5"),  # torch's error
+     (["--file", "/nonexistent/prompts.txt"], "No such file"),  # FileNotFoundError
+     (["--max-tokens", "-1", "hi"], "max_tokens"),  # (told before the model loads)
+     (["--device", "foo", "hi"], "foo")],  # torch's RuntimeError
+)  # fmt: skip
+def test_bad_generate_settings_are_one_line_not_a_traceback(capsys, args, words):
+    from tinyserve.entrypoints.cli import main
+
+    assert main(["generate", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tinyserve generate: ") and words in err and "Traceback" not in err
+    assert err.count("\n") == 1, err
+
+
 def test_a_bad_speculative_config_is_a_usage_error(capsys):
     from tinyserve.entrypoints.cli import main
 

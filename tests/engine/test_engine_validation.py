@@ -140,6 +140,31 @@ def test_llm_generate_rejects_a_bad_prompt_without_leaving_requests(tiny_qwen2_p
     assert_no_leaks(llm.engine)
 
 
+def test_an_interrupted_generate_leaves_the_llm_usable(tiny_qwen2_path, monkeypatch):
+    """Ctrl+C in a notebook mid-generate: its requests stayed queued and every later call
+    met their outputs (KeyError 'llm-1', for good). They are aborted on the way out."""
+    llm = build_llm(model=tiny_qwen2_path, load_tokenizer=False, num_blocks=32, block_size=4,
+                    max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    good = random_prompt(8, seed=6)
+    [want] = llm.generate([good], greedy(4), use_tqdm=False)
+    step, calls = llm.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([good, random_prompt(9, seed=8)], greedy(12), use_tqdm=False)
+    monkeypatch.setattr(llm.engine, "step", step)
+    assert not llm.engine.has_unfinished()
+    [out] = llm.generate([good], greedy(4), use_tqdm=False)
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert_no_leaks(llm.engine)
+
+
 def test_n_children_near_the_seed_limit_are_all_added_and_reproducible(small_engine):
     """seed = 2**63 - 1 with n=3: seed + i used to overflow SamplingParams' int64 range while
     the children were being added, leaving child 0 orphaned (holding KV blocks) and the client

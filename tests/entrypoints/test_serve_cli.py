@@ -64,6 +64,8 @@ def test_bad_server_flags_exit_with_a_message(flag, message):
     [
         (["--model", "/nonexistent/m.gguf"], "model '/nonexistent/m.gguf': no such file"),
         (["--device", "cuda"], "device 'cuda' was asked for but no CUDA device is available"),
+        (["--device", "foo"], "Expected one of"),  # torch's RuntimeError: was a traceback
+        (["--max-model-len", "-5"], "max_model_len must be >= 2, got -5"),  # was torch's
     ],
 )
 def test_bad_engine_settings_exit_with_one_line(flags, message):
@@ -187,3 +189,11 @@ def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     assert 2 < events < 1500
     assert grace - 0.5 < ended < grace + 5, ended  # the stream ran on through the grace period
     assert exited < grace + 10, exited
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_a_usage_error(port, capsys):
+    """uvicorn refused it only after the model had loaded (three tracebacks)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--port", port])
+    assert e.value.code == 2 and "must be in 0-65535" in capsys.readouterr().err

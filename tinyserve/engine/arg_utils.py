@@ -78,6 +78,8 @@ class EngineArgs:
 
     def create_configs(self) -> EngineConfig:
         """The frozen configs, validated (a ValueError names the setting)."""
+        if self.max_model_len is not None and self.max_model_len < 2:  # before the model is
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")  # built
         spec = self.speculative_config
         load_names = {f.name for f in fields(LoadConfig)}
         return EngineConfig(
@@ -142,7 +144,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding (lossless): 'auto' (the default: suffix decoding), 'off', "
         'or vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(n-gram prompt lookup), or '{\"method\": \"suffix\"}' (suffix decoding: drafts "
+        '(n-gram prompt lookup), or \'{"method": "suffix"}\' (suffix decoding: drafts '
         "from the request's tokens and earlier outputs of its cache_salt); drafts "
         "priced by this machine's measured step costs, none above max_batch_size running "
         "requests, default 8",

@@ -211,7 +211,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (flags as `vllm serve`).",
     )
     p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--port", type=_port, default=d.port)
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -304,6 +304,14 @@ def _add_key_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _port(text: str) -> int:
+    """A TCP port (0: any free one): out of range was told only after the model loaded."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {port}")
+    return port
+
+
 def _route_list(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
@@ -344,7 +352,7 @@ def run_server(ns: argparse.Namespace) -> int:
     try:  # a bad setting (a flag, a device, a model) is one line, not a traceback
         config = server_config_from_namespace(ns)
         app = create_app(EngineArgs.from_namespace(ns), config)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # (torch's bad device, mmap's no memory)
         logger.debug("start-up failed", exc_info=True)
         raise SystemExit(f"tinyserve serve: {e}") from None
     log_level = str(getattr(ns, "log_level", "info")).lower()

@@ -10,29 +10,29 @@ from tinyserve.engine.arg_utils import EngineArgs, add_engine_args
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    """A bad setting, file or prompt is one line and exit 1 (as ``serve``), not a traceback."""
+    try:
+        return _generate_or_raise(ns)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"tinyserve generate: {e}", file=sys.stderr)
+        return 1
+
+
+def _generate_or_raise(ns: argparse.Namespace) -> int:
     from tinyserve.entrypoints.llm import LLM
     from tinyserve.sampling_params import SamplingParams
 
     prompts = list(ns.prompt or [])
     if ns.file:
         with open(ns.file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+            prompts += [line.rstrip("\r\n") for line in f if line.strip()]
     if not prompts:
         print("tinyserve generate: give a prompt or --file", file=sys.stderr)
         return 2
-    args = EngineArgs.from_namespace(ns)
-    llm = LLM(**vars(args))
-    try:
-        params = SamplingParams(
-            temperature=ns.temperature,
-            top_p=ns.top_p,
-            max_tokens=ns.max_tokens,
-            seed=ns.seed,
-            stop=ns.stop or [],
-        )
-    except ValueError as e:
-        print(f"tinyserve generate: {e}", file=sys.stderr)
-        return 2
+    # The sampling flags first: a bad one is told before the model loads.
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p,
+                            max_tokens=ns.max_tokens, seed=ns.seed, stop=ns.stop or [])  # fmt: skip
+    llm = LLM(**vars(EngineArgs.from_namespace(ns)))
     if ns.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

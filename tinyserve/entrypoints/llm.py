@@ -110,6 +110,18 @@ class LLM:
         return list(prompt)
 
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        """Step until every request of ``results`` is done. Interrupted (Ctrl+C in a
+        notebook) or failing, its requests are aborted, so that the next call starts clean:
+        they stayed queued, and the next call met their outputs (KeyError, every call)."""
+        try:
+            self._steps(results, use_tqdm)
+        except BaseException:
+            for rid, result in results.items():
+                if not result.finished:
+                    self.engine.abort(rid)
+            raise
+
+    def _steps(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -117,7 +129,9 @@ class LLM:
             bar = tqdm(total=len(results), desc="generating", unit="prompt")
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                result = results[out.request_id]
+                result = results.get(out.request_id)
+                if result is None:  # not this call's (an engine shared with other callers)
+                    continue
                 choice = result.outputs[out.index]
                 choice.token_ids.extend(out.new_token_ids)
                 choice.text += out.text_delta

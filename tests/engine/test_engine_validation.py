@@ -188,3 +188,24 @@ def test_a_colliding_child_id_rejects_the_whole_request(small_engine):
     assert set(small_engine.core.scheduler.requests) == {"dup#1"}  # no orphaned "dup#0"
     run_batch(small_engine, [])
     assert_no_leaks(small_engine)
+
+
+@pytest.mark.slow
+def test_llm_chat_takes_content_parts_and_names_bad_messages(smol_llm):
+    """OpenAI-style content parts went to the template as a list (jinja's TypeError), a
+    message without a role or content failed inside jinja: parts are joined as the server
+    joins them; bad messages are a ValueError naming them."""
+    plain = [{"role": "user", "content": "Name three colors.\nBe brief."}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three colors."},
+                                          {"type": "text", "text": "Be brief."}]}]  # fmt: skip
+    assert smol_llm.apply_chat_template(parts) == smol_llm.apply_chat_template(plain)
+    [a] = smol_llm.chat(parts, greedy(4), use_tqdm=False)
+    [b] = smol_llm.chat(plain, greedy(4), use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for bad, words in (([{"content": "hi"}], "messages[0]"),
+                       ([{"role": "user", "content": None}], "messages[0]"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}],
+                        "messages[0].content"), ("hello", "messages")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(words)):
+            smol_llm.chat(bad, greedy(4), use_tqdm=False)
+    assert not smol_llm.engine.has_unfinished()

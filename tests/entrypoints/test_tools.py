@@ -289,3 +289,23 @@ def test_anchor_refs_and_extension_keys_are_not_pointers():
         {"type": "function", "function": {"name": "f", "parameters": params}}
     )
     assert check_tools([tool], "auto")
+
+
+def test_earlier_calls_are_text_where_no_tools_are_offered(client):
+    """After a tool round, ``tool_choice: "none"`` (or no tools) has no envelope to answer
+    in: earlier calls rendered as envelope JSON were copied by the model as its answer, raw
+    (content '{"tool_calls": [...]}'). They are text there; with tools, the envelope."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "22C sunny"}]  # fmt: skip
+
+    def prompt(**extra) -> str:
+        ids = client.post("/tokenize", json={"model": MODEL, "messages": history, **extra})
+        return client.post("/detokenize", json={"model": MODEL, "tokens": ids.json()["tokens"]}
+                           ).json()["prompt"]  # fmt: skip
+
+    plain = prompt()
+    assert '{"tool_calls"' not in plain and '(called get_weather with {"city": "Paris"})' in plain
+    assert '{"tool_calls": [{"name": "get_weather"' in prompt(tools=[WEATHER])

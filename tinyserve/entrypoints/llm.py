@@ -96,7 +96,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         ids = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True
+            _chat_turns(conversation), add_generation_prompt=True, tokenize=True
         )
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
@@ -149,3 +149,23 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
+
+
+def _chat_turns(conversation) -> list[dict]:
+    """OpenAI-style messages as the chat template takes them: content parts (``[{"type":
+    "text", "text": ...}]``) joined as the server joins them; a message without a role or
+    content is a ValueError naming it (the template failed inside jinja)."""
+    if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+        raise ValueError("messages: a list of {'role', 'content'} dicts (or a list of such lists)")
+    turns = []
+    for i, m in enumerate(conversation):
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+                raise ValueError(f"messages[{i}].content: text parts only ({{'type': 'text', "
+                                 "'text': ...}})")  # fmt: skip
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: needs a 'role' and a text 'content'")
+        turns.append({**m, "content": content})
+    return turns

@@ -236,7 +236,13 @@ def render_messages(conversation: list[dict], messages, tools, choice) -> list[d
     added and assistant tool calls / tool results rendered as text."""
     out = []
     for turn, m in zip(conversation, messages, strict=True):
-        if m.role == "assistant" and getattr(m, "tool_calls", None):
+        if m.role == "assistant" and getattr(m, "tool_calls", None) and not tools:
+            # No tools now (tool_choice none): no envelope to answer in, so earlier calls
+            # are text; as envelope JSON the model copied it, and nothing unwrapped it.
+            calls = [f"(called {c.function.name} with {c.function.arguments})"
+                     for c in m.tool_calls]  # fmt: skip
+            turn = {"role": "assistant", "content": "\n".join([turn["content"], *calls]).strip()}
+        elif m.role == "assistant" and getattr(m, "tool_calls", None):
             calls = [{"name": c.function.name, "arguments": loads(c.function.arguments)}
                      for c in m.tool_calls]  # fmt: skip
             turn = {"role": "assistant", "content": json.dumps({"tool_calls": calls})}

@@ -78,8 +78,9 @@ class EngineArgs:
 
     def create_configs(self) -> EngineConfig:
         """The frozen configs, validated (a ValueError names the setting)."""
-        if self.max_model_len is not None and self.max_model_len < 2:  # before the model is
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")  # built
+        # Checked before the model is built (a negative one reached the rotary table).
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         spec = self.speculative_config
         load_names = {f.name for f in fields(LoadConfig)}
         return EngineConfig(

@@ -87,7 +87,7 @@ class IncrementalDetokenizer:
             self._pending_text = ""
             return self._emit(text), None
 
-        match = self._find_stop(text) if self.stop else None
+        match = find_stop(text, self.stop) if self.stop else None
         if match is not None:
             start, stop_str = match
             end = start + len(stop_str) if self.include_stop_str_in_output else start
@@ -104,17 +104,6 @@ class IncrementalDetokenizer:
             self._chunks.append(delta)
             self._output_text = None
         return delta
-
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """Earliest stop string in ``text``; at equal positions the one listed first wins."""
-        best: tuple[int, str] | None = None
-        for stop_str in self.stop:
-            # A later match can't win, so don't look past the best start found so far.
-            limit = len(text) if best is None else best[0] + len(stop_str) - 1
-            idx = text.find(stop_str, 0, limit)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop_str)
-        return best
 
     def _decode_new_text(self, flush: bool) -> str:
         """Text of the tokens past ``read_offset``; advances the window when it is complete."""
@@ -148,3 +137,16 @@ class IncrementalDetokenizer:
             skip_special_tokens=self.skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+
+
+def find_stop(text: str, stops) -> tuple[int, str] | None:
+    """Earliest stop string of ``stops`` in ``text`` as (start, string); at equal starts the
+    one listed first wins. (Also the tool parser's, entrypoints/tool_stream.StopAtText.)"""
+    best: tuple[int, str] | None = None
+    for stop_str in stops:
+        # A later match can't win, so don't look past the best start found so far.
+        limit = len(text) if best is None else best[0] + len(stop_str) - 1
+        idx = text.find(stop_str, 0, limit)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop_str)
+    return best

@@ -117,17 +117,19 @@ class ChunkFrame:
             if self.job.answered() and out.usage is None:  # every choice ended by a stop
                 stream.abort()  # string of its text (Job.stops): nothing more to send
                 break
-        if self.job.include_usage:
-            usage = self.usage or Usage(sum(map(len, self.job.prompts)), sum(self.counts.values()),
-                                        self.cached)  # fmt: skip
-            yield {**self.head, "choices": [], "usage": usage_info(usage).model_dump()}
+        if self.job.include_usage:  # (the counts so far where the request was aborted)
+            usage = usage_info(self.usage or self._so_far()).model_dump()
+            yield {**self.head, "choices": [], "usage": usage}
 
     def mark(self, chunk: dict[str, Any]) -> dict[str, Any]:
         job = self.job
         if job.include_usage:
-            usage = Usage(sum(map(len, job.prompts)), sum(self.counts.values()), self.cached)
+            usage = self._so_far()
             chunk["usage"] = usage_info(usage).model_dump() if job.continuous_usage else None
         return chunk
+
+    def _so_far(self) -> Usage:
+        return Usage(sum(map(len, self.job.prompts)), sum(self.counts.values()), self.cached)
 
 
 # -- helpers shared by chat and completions ------------------------------------------------------
@@ -176,7 +178,7 @@ async def collect(
 ) -> tuple[list[Choice], Usage | None]:
     """A non-streamed request: every choice in index order, and the request's usage.
     ``answered(out)`` (fed every output): True once nothing more is wanted (every choice
-    ended by a stop string of its text, serving.text_stops): the request is aborted there
+    ended by a stop string of its text, tool_stream.all_stopped): the request is aborted there
     and the usage counts the tokens so far."""
     choices: dict[int, Choice] = {}
     usage, prompt_tokens = None, {}

@@ -16,6 +16,7 @@ back a tail that may begin the tag (and whitespace next to a block, which is not
 
 from __future__ import annotations
 
+from tinyserve.engine.detokenizer import find_stop
 from tinyserve.entrypoints.json_scanner import JsonScanner
 from tinyserve.entrypoints.tools import new_call_id
 
@@ -293,9 +294,9 @@ class StopAtText:
                 out.append((delta, finish_reason))
                 continue
             self._held += delta["content"]
-            hits = [(i, n, s) for n, s in enumerate(self.stops) if (i := self._held.find(s)) >= 0]
-            if hits:
-                i, _, stop = min(hits)
+            hit = find_stop(self._held, self.stops)
+            if hit is not None:
+                i, stop = hit
                 text = self._held[: i + len(stop) if self.include else i]
                 out += [({"content": text}, None)] if text else []
                 self.stop_reason, self._held = stop, ""

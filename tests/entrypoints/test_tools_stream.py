@@ -293,3 +293,25 @@ def test_stop_sequences_with_tools_served(fake_server):
         choice = c.post("/v1/chat/completions", json={**body, "stop": ["2 +"]}).json()["choices"][0]
         assert (choice["message"]["content"], choice["message"].get("tool_calls")) == ("", None)
         assert choice["finish_reason"] == "stop"
+
+
+def test_a_streamed_response_with_tools_ends_at_a_stop_of_its_text(fake_server):
+    """/v1/responses streamed, with tools and a stop string its text meets: the response
+    completes there and the request is aborted (it ran on to the answer's end, unseen)."""
+    import httpx
+
+    script = ['{"content": "', "2 + 2", " = 4", '."}', " ", " "]
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    body = {"model": "fake-model", "input": "hi", "tools": [tool], "max_output_tokens": 8,
+            "stop": ["= "], "stream": True}  # fmt: skip
+    with (
+        fake_server(script=script, step_delay=0.05) as s,
+        httpx.Client(base_url=s.base_url, timeout=30) as c,
+        c.stream("POST", "/v1/responses", json=body) as r,
+    ):
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+        done = events[-1]
+        assert done["type"] == "response.completed", done
+        assert done["response"]["output"][0]["content"][0]["text"] == "2 + 2 "
+        assert done["response"]["usage"]["output_tokens"] == 3
+        assert wait_until(lambda: len(s.engine.aborted) == 1)

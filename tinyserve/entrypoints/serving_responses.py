@@ -125,6 +125,10 @@ class ResponsesServing(OpenAIServing):
                 finish = finish_reason_of(out)
                 for event in _answer_events(job, parser, out.text_delta, finish):
                     yield event
+                if visible_stop(parser) is not None and out.usage is None:  # a stop string of
+                    stream.abort()  # the text (Job.stops): nothing more to send
+                    usage = Usage(len(job.prompts[0]), out.num_output_tokens)
+                    break
         except (RequestFailedError, EngineDeadError) as e:
             for event in builder.fail(engine_error(e)):
                 yield event

@@ -93,14 +93,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        """The conversation through the chat template as the server renders it
+        (chat_template.render_chat: content parts joined, ``developer`` as ``system`` where
+        the template has no such role); a bad message is a ValueError naming it."""
+        from tinyserve.entrypoints.chat_template import render_chat
+        from tinyserve.entrypoints.protocol import OpenAIError
+
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
-        ids = self.tokenizer.apply_chat_template(
-            _chat_turns(conversation), add_generation_prompt=True, tokenize=True
-        )
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        try:
+            return render_chat(self.tokenizer, _chat_messages(conversation))
+        except OpenAIError as e:  # the template refused the conversation
+            raise ValueError(e.message) from None
 
     def _encode(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
@@ -151,21 +155,22 @@ class LLM:
             bar.close()
 
 
-def _chat_turns(conversation) -> list[dict]:
-    """OpenAI-style messages as the chat template takes them: content parts (``[{"type":
-    "text", "text": ...}]``) joined as the server joins them; a message without a role or
-    content is a ValueError naming it (the template failed inside jinja)."""
-    if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+def _chat_messages(conversation) -> list:
+    """OpenAI-style message dicts as the server's ChatMessage models (its checks: a role,
+    text content parts, content where the role needs it); a bad one is a ValueError naming
+    it (the template failed inside jinja)."""
+    from pydantic import ValidationError
+
+    from tinyserve.entrypoints.protocol import ChatMessage
+    from tinyserve.entrypoints.protocol_base import error_messages
+
+    if not isinstance(conversation, list):
         raise ValueError("messages: a list of {'role', 'content'} dicts (or a list of such lists)")
-    turns = []
+    out = []
     for i, m in enumerate(conversation):
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-                raise ValueError(f"messages[{i}].content: text parts only ({{'type': 'text', "
-                                 "'text': ...}})")  # fmt: skip
-            content = "\n".join(p["text"] for p in content)
-        if not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise ValueError(f"messages[{i}]: needs a 'role' and a text 'content'")
-        turns.append({**m, "content": content})
-    return turns
+        try:
+            out.append(ChatMessage.model_validate(m))
+        except ValidationError as e:
+            where, msg = error_messages(e.errors())[0]
+            raise ValueError(f"messages[{i}]{'.' + where if where else ''}: {msg}") from None
+    return out

@@ -141,10 +141,7 @@ class SamplingParams:
             raise ValueError(
                 f"cache_salt must be a non-empty string of <= 1024 characters, got {salt!r:.40}"
             )
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_containers(self)
         _check_int("n", self.n, 1, _MAX_N)
         self.temperature = _checked_temperature(self.temperature)
         _check_float("top_p", self.top_p)
@@ -205,6 +202,36 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token id {t} is outside [0, {vocab_size})")
         if any(not 0 <= t < vocab_size for t in self.prediction or ()):
             raise ValueError(f"prediction: a token id is outside [0, {vocab_size})")
+
+
+def _check_containers(p: SamplingParams) -> None:
+    """The offline API's wrong types named (they raised TypeError / AttributeError deep in
+    the engine): lists where lists go, a dict of logit_bias, a StructuredOutputsParams (or
+    the dict of its fields), token ids as the prediction."""
+    if isinstance(p.stop, str):
+        p.stop = [p.stop]
+    for name in ("stop", "stop_token_ids"):
+        value = getattr(p, name)
+        if value is not None and not isinstance(value, (list, tuple, set, frozenset)):
+            raise ValueError(f"{name} must be a list, got {value!r:.60}")
+        setattr(p, name, list(value or []))
+    if p.logit_bias is not None and not isinstance(p.logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r:.60}")
+    so = p.structured_outputs
+    if isinstance(so, dict):
+        try:
+            p.structured_outputs = StructuredOutputsParams(**so)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+    elif so is not None and not isinstance(so, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r:.60}")
+    if p.prediction is not None:
+        ids = p.prediction
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prediction must be token ids (a list of ints), got {ids!r:.60}")
+        for t in ids:
+            _check_int("prediction", t, 0, None)
+        p.prediction = tuple(ids)
 
 
 def _checked_temperature(t: object) -> float:

@@ -38,11 +38,26 @@ MAX_MODEL_LEN = 32
         ("max_tokens", -5),
         ("min_p", 1.5),
         ("logprobs", -1),
+        # The offline API's wrong types: TypeError / AttributeError from the engine before.
+        ("prediction", "def f(): pass"),
+        ("prediction", [1, "2"]),
+        ("structured_outputs", {"json": {"type": "object"}, "regexp": "a"}),
+        ("structured_outputs", "json"),
+        ("logit_bias", [(1, 2.0)]),
+        ("stop", 5),
+        ("stop_token_ids", 7),
     ],
 )
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**{field: value})
+
+
+def test_offline_containers_of_the_right_shape_are_taken():
+    p = SamplingParams(structured_outputs={"regex": "[ab]+"}, prediction=[3, 4], stop="x",
+                       stop_token_ids=(5,))  # fmt: skip
+    assert p.structured_outputs.regex == "[ab]+" and p.prediction == (3, 4)
+    assert p.stop == ["x"] and p.stop_token_ids == [5]
 
 
 def test_tiny_temperatures_are_greedy_or_raised_as_vllm():
@@ -117,6 +132,11 @@ def test_engine_config_errors_name_the_field(tiny_qwen2_path):
         tiny_engine(tiny_qwen2_path, max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         tiny_engine(tiny_qwen2_path, max_num_seqs=0)
+    # Wrong types are named before the model loads (TypeError from inside the engine before).
+    for name, value in [("num_blocks", "5"), ("max_num_seqs", 2.5), ("enable_prefix_caching",
+                        "yes"), ("gpu_memory_utilization", "0.5"), ("block_size", True)]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{name} must be"):
+            tiny_engine(tiny_qwen2_path, **{name: value})
 
 
 def test_llm_generate_rejects_a_bad_prompt_without_leaving_requests(tiny_qwen2_path):

@@ -140,6 +140,7 @@ def test_errors_are_anthropic_shaped(client):
          "invalid_request_error"),
         ({**base, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
          "invalid_request_error"),
+        ({**base, "temperature": 1.5}, 400, "invalid_request_error"),  # 0.0 to 1.0 there
     ]  # fmt: skip
     for body, status, kind in cases:
         r = post(body)

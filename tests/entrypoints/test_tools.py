@@ -309,3 +309,18 @@ def test_earlier_calls_are_text_where_no_tools_are_offered(client):
     plain = prompt()
     assert '{"tool_calls"' not in plain and '(called get_weather with {"city": "Paris"})' in plain
     assert '{"tool_calls": [{"name": "get_weather"' in prompt(tools=[WEATHER])
+
+
+def test_text_beside_calls_stays_in_the_history(client):
+    """An assistant turn with both content and tool calls: the envelope rendering kept the
+    calls and dropped the text (what the assistant told the user before calling)."""
+    said = "Let me look that up for you."
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": said, "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "22C sunny"}]  # fmt: skip
+    ids = client.post("/tokenize", json={"model": MODEL, "messages": history, "tools": [WEATHER]})
+    text = client.post("/detokenize", json={"model": MODEL, "tokens": ids.json()["tokens"]}
+                       ).json()["prompt"]  # fmt: skip
+    assert f'{said}\n{{"tool_calls": [{{"name": "get_weather"' in text

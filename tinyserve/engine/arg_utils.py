@@ -78,6 +78,7 @@ class EngineArgs:
 
     def create_configs(self) -> EngineConfig:
         """The frozen configs, validated (a ValueError names the setting)."""
+        _check_types(self)
         # Checked before the model is built (a negative one reached the rotary table).
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -106,6 +107,30 @@ class EngineArgs:
     def from_namespace(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
+
+
+_PLAIN = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "None": (type(None),),
+}
+
+
+def _check_types(args: EngineArgs) -> None:
+    """A setting of a plain type given another (``LLM(num_blocks="5")``) is a ValueError
+    naming it, not a TypeError from deep inside the engine."""
+    for f in fields(args):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if not all(k in _PLAIN for k in kinds):
+            continue  # a config object or a dict: checked where it is parsed
+        value = getattr(args, f.name)
+        ok = any(isinstance(value, t) for k in kinds for t in _PLAIN[k])
+        # A str setting also takes what stands for one (torch.bfloat16, a device, a Path).
+        ok = ok or ("str" in kinds and not isinstance(value, (int, float, list, dict)))
+        if not ok or (isinstance(value, bool) and "bool" not in kinds):
+            raise ValueError(f"{f.name} must be {' or '.join(kinds)}, got {value!r:.60}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

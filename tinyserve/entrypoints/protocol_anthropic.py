@@ -137,7 +137,7 @@ class MessagesRequest(_Strict):
     max_tokens: int = Field(..., description="Required, as Anthropic's API")
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range: 0.0 to 1.0
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False

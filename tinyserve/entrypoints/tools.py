@@ -245,7 +245,10 @@ def render_messages(conversation: list[dict], messages, tools, choice) -> list[d
         elif m.role == "assistant" and getattr(m, "tool_calls", None):
             calls = [{"name": c.function.name, "arguments": loads(c.function.arguments)}
                      for c in m.tool_calls]  # fmt: skip
-            turn = {"role": "assistant", "content": json.dumps({"tool_calls": calls})}
+            # Text the assistant wrote beside its calls stays in the history, before them.
+            envelope = json.dumps({"tool_calls": calls})
+            text = "\n".join(filter(None, [turn["content"], envelope]))
+            turn = {"role": "assistant", "content": text}
         elif m.role == "tool":
             call_id = getattr(m, "tool_call_id", None) or "?"
             turn = {"role": "tool", "content": f"Result of call {call_id}: {turn['content']}"}

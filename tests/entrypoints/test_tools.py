@@ -324,3 +324,25 @@ def test_text_beside_calls_stays_in_the_history(client):
     text = client.post("/detokenize", json={"model": MODEL, "tokens": ids.json()["tokens"]}
                        ).json()["prompt"]  # fmt: skip
     assert f'{said}\n{{"tool_calls": [{{"name": "get_weather"' in text
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "none"])
+def test_a_bad_response_format_beside_tools_names_itself(client, choice):
+    """A format's schema that does not compile, beside tools: under auto the 400 named
+    ``tools`` and quoted the envelope's internal ``$defs/answer__...`` name; under required
+    (a call is forced, the format is for a later answer) it was not compiled at all: a 200."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$dynamicRef": "#m"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER], "tool_choice": choice, "response_format": fmt,
+            "max_tokens": 8}  # fmt: skip
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "'$dynamicRef'" in err["message"], err
+    assert "answer__" not in err["message"]
+    if choice == "required":  # the Responses API's text.format, the same way
+        tool = {"type": "function", **WEATHER["function"]}
+        r = client.post("/v1/responses", json={
+            "model": MODEL, "input": "Weather in Paris?", "tools": [tool], "tool_choice": choice,
+            "text": {"format": {"type": "json_schema", **fmt["json_schema"]}}})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text

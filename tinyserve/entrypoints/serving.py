@@ -68,6 +68,7 @@ class Job:
     continuous_usage: bool = False  # and vLLM's continuous_usage_stats: usage on every chunk
     tools: list[T.Tool] = field(default_factory=list)
     json_answer: bool = False  # tools with a JSON response format: the answer without calls
+    format_check: StructuredOutputsParams | None = None  # a format beside tools: see submit
     # With tools, the stop strings match the answer's text, not the raw output (its wrapper):
     # they leave the engine's params for the tool parser (tool_stream.StopAtText).
     stops: tuple[str, ...] = ()
@@ -119,7 +120,9 @@ class OpenAIServing:
         engine; errors map to HTTP."""
         if self.log_requests:
             logger.info("request %s: %s", job.request_id, req.model_dump_json(exclude_none=True))
-        try:
+        try:  # a format beside tools alone first: its errors name it, not "tools" (and a
+            if job.format_check is not None:  # forced call's later answer's is checked too)
+                await self.engine.prepare(SamplingParams(structured_outputs=job.format_check))
             await self.engine.prepare(job.params)
             return self.engine.add_request(job.request_id, job.prompts, job.params)
         except ValueError as e:
@@ -199,9 +202,7 @@ class OpenAIServing:
             "prompt_logprobs": req.prompt_logprobs,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
-            "prediction": prediction_ids(req, self.tokenizer)
-            if getattr(req, "prediction", None)
-            else None,
+            "prediction": getattr(req, "prediction", None) and prediction_ids(req, self.tokenizer),
             # Declared by chat and completions only; elsewhere an extra field (check_extra_fields)
             "cache_salt": req.cache_salt if "cache_salt" in type(req).model_fields else None,
             **extra,

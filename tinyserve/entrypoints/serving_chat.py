@@ -97,6 +97,7 @@ class ChatServing(OpenAIServing):
             continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
             tools=tools, thinks=thinks, thinking_open=bool(opened),
             json_answer=answers_json(tools, fmt, req.tool_choice),
+            format_check=fmt if tools else None,
         )  # fmt: skip
 
     def response(self, job: Job, choices: list[Choice], usage: Usage | None) -> dict[str, Any]:

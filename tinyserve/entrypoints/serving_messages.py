@@ -82,8 +82,8 @@ class MessagesServing(OpenAIServing):
             )  # fmt: skip
         except ValueError as e:
             raise bad_request(e) from None
-        return Job(A.new_message_id(), [prompt_ids], params, stream=req.stream,
-                   tools=tools, json_answer=json_answer)  # fmt: skip
+        return Job(A.new_message_id(), [prompt_ids], params, stream=req.stream, tools=tools,
+                   json_answer=json_answer, format_check=fmt if tools else None)  # fmt: skip
 
     async def _prompt(self, req: A.MessagesRequest) -> tuple[list[int], list, Any, bool, bool]:
         req.check()

@@ -98,6 +98,7 @@ class ResponsesServing(OpenAIServing):
             splitter = R.ReasoningSplitter(opened) if opened is not None else None
         return ResponsesJob(response_id, [prompt_ids], params, stream=req.stream, tools=tools,
                             json_answer=answers_json(tools, answer, choice),
+                            format_check=answer if tools else None,
                             builder=builder, splitter=splitter)  # fmt: skip
 
     def response(

@@ -108,6 +108,7 @@ class Executor:
         if self.tp_driver is not None:
             atexit.register(self.close)
         try:
+            tp.broadcast(self.load.dtype)  # the other ranks load with it (tp_worker.worker_main)
             self._build(config, tp, loaded)
         except BaseException:
             self.close()  # the workers wait for the block count: release them

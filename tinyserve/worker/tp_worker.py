@@ -6,8 +6,12 @@ here with torch.multiprocessing (one host, ``tcp://127.0.0.1:<free port>`` rende
 started by ``torchrun`` (any number of hosts: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in the environment); either way they end up in :func:`worker_main`.
 
-Start-up order, the same on every rank: join the group -> load this rank's shard -> the
-driver broadcasts the KV block count -> allocate this rank's KV cache -> barrier -> steps.
+Start-up order, the same on every rank: join the group -> the driver broadcasts its
+resolved dtype -> load this rank's shard -> the driver broadcasts the KV block count ->
+allocate this rank's KV cache -> barrier -> steps. The dtype comes from the driver because
+``--dtype auto`` on a CPU is measured (worker/autotune.py): ranks started together by
+torchrun each measured it, each disturbed by the other, so nothing was trusted or cached
+(90 s to start two ranks, at every start) and the ranks could choose differently.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from tinyserve.config import CacheConfig, LoadConfig
 from tinyserve.distributed.parallel_state import TPGroup, cpu_threads_per_rank, init_tp_group
 from tinyserve.kernels.build import set_kernel_threads
 from tinyserve.models.loader import load_shard, numerics_path
-from tinyserve.worker.autotune import resolve_engine_dtype
-from tinyserve.worker.device import resolve_device
+from tinyserve.worker.device import resolve_device, resolve_dtype
 from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
 from tinyserve.worker.model_runner import ModelRunner
 
@@ -175,12 +178,12 @@ def worker_main(
         _use_threads(threads)
     base = resolve_device(load.device)
     device = rank_device(base, rank)
-    dtype = resolve_engine_dtype(
-        load.dtype, base, load.model, load.cpu_kernels, load.quantization, load.kernel_activations
-    )
     group = init_tp_group(rank, size, device, init_method)
     try:
-        model, _ = load_shard(load, dtype, device, group)
+        dtype_name = group.broadcast()  # the driver's resolved dtype (see the module's doc)
+        if dtype_name is None:  # the driver failed to start
+            return
+        model, _ = load_shard(load, resolve_dtype(dtype_name, base), device, group)
         num_blocks = group.broadcast()
         if num_blocks is None:  # the driver failed to start
             return
@@ -203,7 +206,7 @@ def run_torchrun_worker(load: LoadConfig, cache: CacheConfig, size: int) -> bool
     rank, world = env
     if world != size:
         raise SystemExit(f"--tensor-parallel-size {size} but WORLD_SIZE is {world}")
-    # torchrun sets OMP_NUM_THREADS=1 unless the user chose; keep what it set. The dtype is
-    # resolved here as on the driver (the same calibration cache).
+    # torchrun sets OMP_NUM_THREADS=1 unless the user chose; keep what it set. The dtype
+    # comes from the driver.
     worker_main(rank, world, "env://", load, cache, None)
     return True

@@ -35,6 +35,19 @@ def smollm2_gguf_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf_path):
+    """transformers' own reading of the default GGUF, float32: the parity tests' reference
+    (loaded once a session: transformers dequantizes it in ~13 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf_path):
     from transformers import AutoTokenizer
 

@@ -73,42 +73,48 @@ def tasks(tmp_path_factory):
 def _evaluate(tasks_dir, task: str, model: str, url: str, tokenizer: str, **kw):
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     model_args = {"model": MODEL, "base_url": url, "tokenizer_backend": "huggingface",
-                  "tokenizer": tokenizer, "num_concurrent": 1, "max_retries": 1}  # fmt: skip
+                  "tokenizer": tokenizer, "num_concurrent": 4, "max_retries": 1}  # fmt: skip
     return simple_evaluate(model=model, model_args=model_args, tasks=[task], log_samples=True,
                            task_manager=TaskManager(include_path=str(tasks_dir)), **kw)  # fmt: skip
 
 
-def _reference(hf, tokenizer, context: str, continuation: str) -> float:
-    """transformers' loglikelihood of ``continuation`` after ``context``, the tokens split as
-    lm-eval splits them (trailing spaces of the context move to the continuation)."""
-    n = len(context) - len(context.rstrip())
-    if n:
-        context, continuation = context[:-n], context[-n:] + continuation
-    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-    ctx = tokenizer.encode(context, add_special_tokens=False)
-    with torch.no_grad():
-        logits = hf(torch.tensor([whole])).logits[0].double()
-    lp = torch.log_softmax(logits, -1)
-    return sum(lp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
+def _references(hf, tokenizer, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' loglikelihood of each ``continuation`` after its ``context``, the tokens
+    split as lm-eval splits them (trailing spaces of the context move to the continuation);
+    16 sequences a forward, right-padded (causal: a padded tail changes no earlier row)."""
+    seqs = []
+    for context, continuation in pairs:
+        n = len(context) - len(context.rstrip())
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+        seqs.append((whole, len(tokenizer.encode(context, add_special_tokens=False))))
+    out = []
+    for b in range(0, len(seqs), 16):
+        batch = seqs[b : b + 16]
+        width = max(len(w) for w, _ in batch)
+        ids = torch.tensor([w + [0] * (width - len(w)) for w, _ in batch])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(ids).logits.double(), -1)
+        for row, (whole, ctx) in enumerate(batch):
+            out.append(sum(lp[row, i - 1, whole[i]].item() for i in range(ctx, len(whole))))
+    return out
 
 
 @pytest.mark.slow
 def test_multiple_choice_loglikelihoods_equal_transformers(float32_server, tasks,
-                                                           smollm2_gguf_path, smollm2_tokenizer):  # fmt: skip
-    from transformers import AutoModelForCausalLM
-
+                                                           smollm2_hf, smollm2_tokenizer):  # fmt: skip
     tok_dir = smollm2_tokenizer.name_or_path
     out = _evaluate(tasks, "tinyserve_mc", "local-completions",
                     float32_server.url("/v1/completions"), tok_dir)  # fmt: skip
     samples = out["samples"]["tinyserve_mc"]
     assert len(samples) == 32
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    ).eval()
+    refs = _references(smollm2_hf, smollm2_tokenizer,
+                       [tuple(a) for s in samples for a in s["arguments"]])  # fmt: skip
     worst, correct = 0.0, 0
-    for s in samples:
+    for j, s in enumerate(samples):
         ours = [r[0][0] for r in s["resps"]]
-        ref = [_reference(hf, smollm2_tokenizer, c, x) for c, x in s["arguments"]]
+        ref = refs[4 * j : 4 * j + 4]
         n_tok = [
             len(smollm2_tokenizer.encode(x, add_special_tokens=False)) for _, x in s["arguments"]
         ]

@@ -22,13 +22,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")

@@ -201,6 +201,10 @@ def test_apply_bitmask_matches_a_per_token_loop():
             StructuredOutputSpec.json_schema({"type": "string", "pattern": "(a"}),
             "response_format: invalid JSON schema: regex parse error",
         ),
+        (  # JSON Schema: strictly greater than 0 (the library took -2 and generated)
+            StructuredOutputSpec.json_schema({"type": "number", "multipleOf": -2}),
+            "response_format: invalid JSON schema: multipleOf must be greater than 0",
+        ),
         (
             StructuredOutputSpec.regex("(a", field="structured_outputs.regex"),
             "structured_outputs.regex: invalid regex",

@@ -201,7 +201,10 @@ class GrammarBackend:
             check = lambda text: llguidance.LLMatcher.validate_grammar_with_warnings(  # noqa: E731
                 text, self._tokenizer, limits=limits
             )
-        grammar = self._grammar_text(spec)
+        try:
+            grammar = self._grammar_text(spec)
+        except ValueError as e:  # a keyword's value the rewrites refuse (schema_fixes.py)
+            raise ValueError(_error_message(spec, str(e))) from None
         is_error, messages = check(grammar)
         if is_error and spec.kind == "json" and "too large" in " ".join(messages):
             # The narrowed keywords multiplied out: drop them all, each checked after

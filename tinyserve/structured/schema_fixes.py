@@ -54,6 +54,8 @@ def _fix(schema):
         return schema
     out = {k: v if k in DATA_KEYS else _fix_map(v) if k in _NAME_MAPS else _fix(v)
            for k, v in schema.items()}  # fmt: skip
+    if _number(out.get("multipleOf")) and out["multipleOf"] <= 0:  # the library took -2
+        raise ValueError(f"multipleOf must be greater than 0, got {out['multipleOf']}")
     if out.get("type") != "integer":
         _tighten(out, "exclusiveMinimum", "minimum", ("maximum", "exclusiveMaximum"), +1)
         _tighten(out, "exclusiveMaximum", "maximum", ("minimum", "exclusiveMinimum"), -1)

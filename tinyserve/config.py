@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.utils.model_families import gguf_family_fields, hf_family_fields, hf_rope
+from tinyserve.utils import model_families as families
 
 # HF ``architectures`` name -> the module of tinyserve/models/ that defines its model class
 # (models/registry.py). A new family is that one file plus a line here.
@@ -57,9 +57,10 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    attention_bias: bool = False  # q/k/v bias (Qwen2; model_families.hf_attention_bias)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    o_proj_bias: bool = False  # attention_bias in Llama, Qwen3, Granite, Gemma 3, SmolLM3
     # Attention sees the last ``sliding_window`` positions (Mistral); None: all of them.
     sliding_window: int | None = None
     # Per layer 1 = windowed, 0 = full (``layer_types``; Gemma 3: local_layers); None: all 1.
@@ -152,15 +153,11 @@ class ModelConfig:
                 "config.json names no architecture (no 'architectures' and an unknown "
                 f"'model_type' {cfg.get('model_type')!r})"
             )
-        model_type = cfg.get("model_type", "")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_theta, rope_scaling = hf_rope(cfg)
+        rope_theta, rope_scaling = families.hf_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        attention_bias = cfg.get("attention_bias")
-        if attention_bias is None:
-            attention_bias = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -170,15 +167,16 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if "Phi3" in arch else 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(attention_bias),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", arch in families.TIED_BY_DEFAULT)
+            ),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            **hf_family_fields(cfg, arch),
+            **families.hf_family_fields(cfg, arch),
         )
 
     @classmethod
@@ -202,12 +200,12 @@ class ModelConfig:
         if vocab is None:
             vocab = tensor_shapes["token_embd.weight"][0]
         head_dim = int(fields.get(f"{a}.attention.key_length") or hidden // num_heads)
-        rope_scaling = None
-        if fields.get(f"{a}.rope.scaling.type") == "linear":
-            rope_scaling = {
-                "rope_type": "linear",
-                "factor": float(fields.get(f"{a}.rope.scaling.factor")),
-            }
+        rope_scaling, scaling = None, fields.get(f"{a}.rope.scaling.type", "none")
+        if scaling == "linear":
+            rope_scaling = {"rope_type": "linear",
+                            "factor": float(fields.get(f"{a}.rope.scaling.factor"))}  # fmt: skip
+        elif scaling != "none":  # YaRN was served unscaled, as if the key were absent
+            rope_scaling = {"rope_type": str(scaling)}  # refused by __post_init__, named
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=MODEL_TYPES[a],
@@ -224,9 +222,10 @@ class ModelConfig:
             max_position_embeddings=int(fields.get(f"{a}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+            o_proj_bias="blk.0.attn_output.bias" in tensor_shapes,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
-            **gguf_family_fields(fields, a, num_layers),
+            **families.gguf_family_fields(fields, a, num_layers),
         )
 
 

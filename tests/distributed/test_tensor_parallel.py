@@ -40,7 +40,7 @@ def tiny_paths(tmp_path_factory):
     # Phi-3's fused checkpoint tensors split before each rank takes its slice, with its
     # partial-rotary row order and LongRoPE (heads of 16: 12 rotated); Gemma 3's layer.
     phi3 = tiny_config("phi3", hidden_size=128, **shape, **phi3_longrope(12))
-    gemma3 = tiny_config("gemma3", **shape)
+    gemma3 = tiny_config("gemma3", attention_bias=True, **shape)  # o_proj bias: rank 0 adds it
     return {"llama": str(llama), "qwen2": str(qwen2),
             "phi3": str(save_hf(build_hf(phi3, seed=5), root / "phi3")),
             "gemma3": str(save_hf(build_hf(gemma3, seed=6), root / "gemma3"))}  # fmt: skip

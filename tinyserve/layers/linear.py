@@ -268,8 +268,10 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features // tp.size, out_features, bias, dtype, tp)
 
     def tp_slice(self, name, shard, loaded):
-        if self.tp.size == 1 or name != "weight":
+        if self.tp.size == 1:
             return loaded
+        if name == "bias":  # once in the all-reduced sum: rank 0's
+            return loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
         cols = loaded.shape[1] // self.tp.size
         return loaded.narrow(1, self.tp.rank * cols, cols)
 

@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
             dtype,
             tp,
         )
-        self.o_proj = RowParallelLinear(config.q_size, hidden, False, dtype, tp)
+        self.o_proj = RowParallelLinear(config.q_size, hidden, config.o_proj_bias, dtype, tp)
         self.method: AttentionMethod = TORCH_ATTENTION  # the loader's, via set_attention_method
 
     def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:

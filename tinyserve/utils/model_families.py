@@ -40,17 +40,53 @@ def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+# Defaults of transformers' config classes where a family's differs from Llama's (a key a
+# config.json leaves out: transformers 4.x's save_pretrained omits one equal to its default).
+TIED_BY_DEFAULT = frozenset({"Gemma3ForCausalLM", "SmolLM3ForCausalLM"})
+WINDOW_BY_DEFAULT = {"MistralForCausalLM": 4096, "Gemma3ForCausalLM": 4096}
+QWEN_WINDOWED = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})  # max_window_layers: 28
+# The MLP's activation each family's model file computes, under the names transformers gives it.
+ACTIVATIONS = {"Gemma3ForCausalLM": ("gelu_pytorch_tanh", "gelu_new")}
+SILU = ("silu", "swish")
+
+
+def hf_attention_bias(cfg: dict[str, Any], arch: str) -> dict[str, bool]:
+    """Which attention projections carry a bias, as transformers builds each family: Qwen2
+    q/k/v always (its attention_bias is not read), Mistral and Phi-3 none, the others q/k/v
+    and o_proj where attention_bias says (o_proj's was dropped with a warning: wrong logits)."""
+    if arch == "Qwen2ForCausalLM":
+        return {"attention_bias": True, "o_proj_bias": False}
+    on = arch not in ("MistralForCausalLM", "Phi3ForCausalLM") and bool(cfg.get("attention_bias"))
+    return {"attention_bias": on, "o_proj_bias": on}
+
+
+def check_hf_config(cfg: dict[str, Any], arch: str) -> None:
+    """What the served forward pass cannot compute: a ValueError naming it (each was loaded
+    and served with wrong logits, at most a warning)."""
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias: MLP biases are not supported (no served family has them)")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ValueError(f"quantization_config: {method!r} checkpoints are not supported (serve "
+                         "the unquantized checkpoint, with --quantization int8 if wanted, or a GGUF)")  # fmt: skip
+    key = "hidden_activation" if arch == "Gemma3ForCausalLM" else "hidden_act"
+    act, allowed = cfg.get(key), ACTIVATIONS.get(arch, SILU)
+    if act is not None and act not in allowed:
+        raise ValueError(f"{key}: {act!r} is not supported for {arch} (it computes {allowed[0]})")
+
+
 def hf_family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The fields after ``eos_token_ids`` from a config.json: each where its family sets it.
     A ``sliding_window`` counts only where the config turns it on (Qwen2 and Qwen3 carry one
     with ``use_sliding_window: false``; ``layer_types`` without a sliding layer)."""
-    out: dict[str, Any] = {}
-    if cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias: MLP biases are not supported (no served family has them)")
-    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
-    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
-        # Qwen2's rule before transformers wrote layer_types: windowed from that layer on.
-        types = ["sliding_attention" if i >= int(cfg["max_window_layers"]) else "full_attention"
+    check_hf_config(cfg, arch)
+    out: dict[str, Any] = hf_attention_bias(cfg, arch)
+    window, types = cfg.get("sliding_window", WINDOW_BY_DEFAULT.get(arch)), cfg.get("layer_types")
+    if types is None and cfg.get("use_sliding_window") and arch in QWEN_WINDOWED:
+        # Qwen's rule before transformers wrote layer_types: windowed from that layer on.
+        start = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= start else "full_attention"
                  for i in range(int(cfg["num_hidden_layers"]))]  # fmt: skip
     windowed = "sliding_attention" in (types or ["sliding_attention"])
     if window is not None and cfg.get("use_sliding_window", True) and windowed:
@@ -59,6 +95,10 @@ def hf_family_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
             out["window_layers"] = tuple(int(t == "sliding_attention") for t in types)
     if cfg.get("no_rope_layers") is not None:
         out["no_rope_layers"] = tuple(int(x) for x in cfg["no_rope_layers"])
+    elif arch == "SmolLM3ForCausalLM":  # every no_rope_layer_interval-th layer without RoPE
+        step = int(cfg.get("no_rope_layer_interval", SMOLLM3_NO_ROPE_STEP))
+        out["no_rope_layers"] = tuple(int((i + 1) % step != 0)
+                                      for i in range(int(cfg["num_hidden_layers"])))  # fmt: skip
     if arch == "Phi3ForCausalLM":
         rope = cfg.get("rope_parameters") or {}
         out["partial_rotary_factor"] = float(

@@ -104,6 +104,32 @@ def test_templates_render_tools_and_past_calls_in_their_format(templated):
         assert "<|start_header_id|>ipython<|end_header_id|>" in llama
 
 
+def test_tool_results_reach_templates_without_a_tool_role(templated, smollm2_tokenizer):
+    """Templates without tool support take the JSON envelope; a ``tool`` turn was left out
+    by Phi-3.5's (the result never reached the model) and broke Gemma 2's alternation (a 400
+    on every tool round). There results are user turns, with the user turns beside them."""
+    from tinyserve.entrypoints.chat_template import renders_tool_role
+
+    call = T.ToolCall(id="call_1", function=T.FunctionCall(name="get_weather",
+                                                            arguments='{"city": "Oslo"}'))  # fmt: skip
+    messages = [P.ChatMessage(role="user", content="Weather in Oslo and Paris?"),
+                P.ChatMessage(role="assistant", content=None, tool_calls=[call, call]),
+                P.ChatMessage(role="tool", content="OSLO_3C", tool_call_id="call_1"),
+                P.ChatMessage(role="tool", content="PARIS_9C", tool_call_id="call_2"),
+                P.ChatMessage(role="user", content="And tomorrow?")]  # fmt: skip
+    assert renders_tool_role(smollm2_tokenizer)  # ChatML writes any role: as it was
+    plain = smollm2_tokenizer.decode(render_chat(smollm2_tokenizer, messages, True, TOOLS, "auto"))
+    assert "<|im_start|>tool\nResult of call call_1: OSLO_3C" in plain
+    phi = templated("microsoft-Phi-3.5-mini-instruct")
+    assert not renders_tool_role(phi)
+    text = phi.decode(render_chat(phi, messages, True, TOOLS, "auto"))
+    assert "<|user|>\nResult of call call_1: OSLO_3C\n\nResult of call call_2: PARIS_9C" in text
+    assert "PARIS_9C\n\nAnd tomorrow?<|end|>" in text
+    gemma = templated("google-gemma-2-2b-it")  # its template refuses a system turn: no tools
+    text = gemma.decode(render_chat(gemma, messages, True, [], "none"))
+    assert text.count("<start_of_turn>user") == 2 and "OSLO_3C" in text and "PARIS_9C" in text
+
+
 MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
 TWO = ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
        '{"name": "get_time", "arguments": {"tz": "UTC"}}]')  # fmt: skip

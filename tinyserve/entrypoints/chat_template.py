@@ -54,7 +54,8 @@ def render_chat(
         conversation = fmt.messages(conversation, messages)
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     else:
-        conversation = T.render_messages(conversation, messages, tools or [], tool_choice)
+        conversation = T.render_messages(conversation, messages, tools or [], tool_choice,
+                                         renders_tool_role(tokenizer))  # fmt: skip
     if continue_final:
         kwargs["continue_final_message"], add_generation_prompt = True, False
     try:
@@ -68,3 +69,24 @@ def render_chat(
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+_TOOL_ROLE: dict[str, bool] = {}  # template text -> whether it writes a "tool" turn
+
+
+def renders_tool_role(tokenizer) -> bool:
+    """Whether the chat template writes a ``tool`` turn's content, tried once per template:
+    ChatML writes any role; Phi-3's leaves out a role it does not know (the tool result never
+    reached the model), Gemma 3's raises where roles do not alternate (a 400 on every tool
+    round). Where it does not, tool results go in as user turns (tools.render_messages)."""
+    text = template_text(tokenizer)
+    if text not in _TOOL_ROLE:
+        probe = "\u2063tool result\u2063"
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                 {"role": "tool", "content": probe}]  # fmt: skip
+        try:
+            out = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            _TOOL_ROLE[text] = probe in str(out)
+        except Exception:  # noqa: BLE001 - the template refused it: no tool role
+            _TOOL_ROLE[text] = False
+    return _TOOL_ROLE[text]

@@ -231,10 +231,12 @@ def system_prompt(tools: list[Tool], choice: ToolChoice | None) -> str:
     return "\n".join(lines)
 
 
-def render_messages(conversation: list[dict], messages, tools, choice) -> list[dict]:
+def render_messages(conversation: list[dict], messages, tools, choice, tool_role=True) -> list:
     """``conversation`` (role/content dicts from ``messages``) with the tools' system message
-    added and assistant tool calls / tool results rendered as text."""
-    out = []
+    added and assistant tool calls / tool results rendered as text; without a ``tool_role``
+    in the template (chat_template.renders_tool_role) results are user turns, run together
+    with the user turns beside them (such templates want user and assistant to alternate)."""
+    out: list[dict] = []
     for turn, m in zip(conversation, messages, strict=True):
         if m.role == "assistant" and getattr(m, "tool_calls", None) and not tools:
             # No tools now (tool_choice none): no envelope to answer in, so earlier calls
@@ -251,7 +253,10 @@ def render_messages(conversation: list[dict], messages, tools, choice) -> list[d
             turn = {"role": "assistant", "content": text}
         elif m.role == "tool":
             call_id = getattr(m, "tool_call_id", None) or "?"
-            turn = {"role": "tool", "content": f"Result of call {call_id}: {turn['content']}"}
+            turn = {"role": "tool" if tool_role else "user",
+                    "content": f"Result of call {call_id}: {turn['content']}"}  # fmt: skip
+        if not tool_role and turn["role"] == "user" and out and out[-1]["role"] == "user":
+            turn = {"role": "user", "content": f"{out.pop()['content']}\n\n{turn['content']}"}
         out.append(turn)
     if tools:
         prompt = system_prompt(tools, choice)

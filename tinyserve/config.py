@@ -206,7 +206,6 @@ class ModelConfig:
                             "factor": float(fields.get(f"{a}.rope.scaling.factor"))}  # fmt: skip
         elif scaling != "none":  # YaRN was served unscaled, as if the key were absent
             rope_scaling = {"rope_type": str(scaling)}  # refused by __post_init__, named
-        eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=MODEL_TYPES[a],
             vocab_size=int(vocab),
@@ -224,7 +223,7 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             o_proj_bias="blk.0.attn_output.bias" in tensor_shapes,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
+            eos_token_ids=families.gguf_eos_ids(fields),
             **families.gguf_family_fields(fields, a, num_layers),
         )
 

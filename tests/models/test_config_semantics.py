@@ -102,3 +102,12 @@ def test_a_gguf_with_rope_scaling_other_than_linear_is_refused():
         assert (
             ModelConfig.from_gguf_metadata({**base, **none}, shapes, "x.gguf").rope_scaling is None
         )
+
+
+def test_a_gguf_answer_ends_at_its_end_of_turn_token_too():
+    fields = {"general.architecture": "llama", "llama.embedding_length": 64,
+              "llama.attention.head_count": 4, "llama.block_count": 2,
+              "llama.feed_forward_length": 128, "tokenizer.ggml.eos_token_id": 7,
+              "tokenizer.ggml.eot_token_id": 9}  # fmt: skip
+    config = ModelConfig.from_gguf_metadata(fields, {"token_embd.weight": (256, 64)}, "x.gguf")
+    assert config.eos_token_ids == (7, 9)

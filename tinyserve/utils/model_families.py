@@ -132,6 +132,15 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "attention_multiplier": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5}  # fmt: skip
 
 
+def gguf_eos_ids(fields: Mapping[str, Any]) -> tuple[int, ...]:
+    """The ids a GGUF says end an answer: its eos, and its end-of-turn / end-of-message token
+    where the converter wrote one (Llama 3's <|eot_id|>, Gemma's <end_of_turn>: a chat
+    answer ends there, as llama.cpp stops; only eos was read, so the answer ran on)."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = (fields.get(f"tokenizer.ggml.{k}") for k in keys)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def gguf_family_fields(fields: Mapping[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     """The same from a GGUF's metadata (``arch``: its general.architecture)."""
     out: dict[str, Any] = {}

@@ -46,6 +46,7 @@ from tinyserve.entrypoints.serving_completion import CompletionServing
 from tinyserve.entrypoints.serving_messages import MessagesServing, messages_router
 from tinyserve.entrypoints.serving_responses import ResponsesServing, responses_router
 from tinyserve.entrypoints.serving_tokens import TokenizeServing
+from tinyserve.entrypoints.streaming import input_size, off_loop
 from tinyserve.utils.memory import cap_arenas
 
 logger = logging.getLogger(__name__)
@@ -89,11 +90,13 @@ def _router() -> APIRouter:
 
     @api.post("/tokenize", response_model=TK.TokenizeResponse)
     async def tokenize(body: TK.TokenizeRequest, request: Request) -> TK.TokenizeResponse:
-        return request.app.state.serving_tokens.tokenize(body)
+        size = input_size([body.prompt, body.messages, body.tools])  # large: off the loop
+        return await off_loop(size, request.app.state.serving_tokens.tokenize, body)
 
     @api.post("/detokenize", response_model=TK.DetokenizeResponse)
     async def detokenize(body: TK.DetokenizeRequest, request: Request) -> TK.DetokenizeResponse:
-        return request.app.state.serving_tokens.detokenize(body)
+        size = 4 * len(body.tokens)  # ~characters
+        return await off_loop(size, request.app.state.serving_tokens.detokenize, body)
 
     # The OpenAPI document and its viewer sit behind the key too (FastAPI's own are off).
     @api.get("/openapi.json", include_in_schema=False)

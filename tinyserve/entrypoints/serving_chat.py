@@ -84,7 +84,7 @@ class ChatServing(OpenAIServing):
             **self.tool_decoding(tools),
         )
         prompt_ids = await off_loop(
-            input_size(req.messages), self.chat_prompt_ids, req.messages,
+            input_size([req.messages, tools]), self.chat_prompt_ids, req.messages,
             req.add_generation_prompt, tools, req.tool_choice, req.chat_template_kwargs,
         )  # fmt: skip
         opened = None

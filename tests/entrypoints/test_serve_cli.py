@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,30 +156,37 @@ def test_tinyserve_serve_subprocess_answers_chat(tmp_path):
 def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     smollm2_gguf_path, tmp_path
 ):
+    """Requests still running when the drain time runs out end as answers that say so: the
+    stream with an error event and [DONE], a waiting answer with a 503 (uvicorn's own cut
+    left a stream with no end and no error, and a waiting answer a plain-text 500)."""
     grace = 2.0
     server = start_server(
         ["--model", str(smollm2_gguf_path), "--shutdown-timeout", str(grace)],
         tmp_path / "serve.log",
     )
-    body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    events, t_signal, refused = 0, None, None
+    body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True}
+    waiting: list[httpx.Response] = []
+    answer = threading.Thread(target=lambda: waiting.append(
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)))  # fmt: skip
+    events, t_signal, refused = [], None, None
     try:
-        try:
-            with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as r:
-                for _ in iter_data(r.iter_lines()):
-                    events += 1
-                    if events == 2 and t_signal is None:
-                        server.proc.send_signal(signal.SIGTERM)
-                        t_signal = time.monotonic()
-                        time.sleep(0.5)
-                        try:  # no longer admitting: the listening socket is closed
-                            httpx.post(server.base_url + "/v1/completions", json=body, timeout=5)
-                            refused = False
-                        except httpx.ConnectError:
-                            refused = True
-        except httpx.RemoteProtocolError:
-            pass  # the server cut the stream at the end of the grace period
+        with httpx.stream("POST", server.base_url + "/v1/completions",
+                          json={**body, "stream": True}) as r:  # fmt: skip
+            for data in iter_data(r.iter_lines()):
+                events.append(data)
+                if len(events) == 1:
+                    answer.start()
+                if len(events) == 3 and t_signal is None:
+                    server.proc.send_signal(signal.SIGTERM)
+                    t_signal = time.monotonic()
+                    time.sleep(0.5)
+                    try:  # no longer admitting: the listening socket is closed
+                        httpx.post(server.base_url + "/v1/completions", json=body, timeout=5)
+                        refused = False
+                    except httpx.ConnectError:
+                        refused = True
         ended = time.monotonic() - t_signal
+        answer.join(30)
         assert server.proc.wait(30) == 0, server.log()[-3000:]
         exited = time.monotonic() - t_signal
     finally:
@@ -186,9 +194,13 @@ def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     assert refused is True
     # cut well before its 2000 tokens (a Zen 5 streams ~300 in the 2.5 s; the time bounds
     # below say the cut came at the end of the grace period)
-    assert 2 < events < 1500
+    assert 3 < len(events) < 1500 and events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_dead" and "shutting down" in error["message"], error
     assert grace - 0.5 < ended < grace + 5, ended  # the stream ran on through the grace period
     assert exited < grace + 10, exited
+    (r,) = waiting
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("port", ["70000", "-1"])

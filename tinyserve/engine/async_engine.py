@@ -129,7 +129,7 @@ class AsyncEngine:
         self.max_num_seqs = engine.info.max_num_seqs
         self._inbox: collections.deque[tuple] = collections.deque()  # append/popleft are atomic
         self._wakeup = threading.Event()
-        self._stop = False
+        self._stop, self._stop_reason = False, "the engine was shut down"
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests: dict[str, _RequestState] = {}  # loop thread only
@@ -151,9 +151,10 @@ class AsyncEngine:
         # the grammar library's matchers, which recurse over the grammar (structured/sandbox.py).
         self._thread = start_thread(self._run, "tinyserve-engine", ENGINE_STACK_BYTES)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step. Pending requests get EngineDeadError."""
-        self._stop = True
+    def shutdown(self, timeout: float = 10.0, reason: str = "the engine was shut down") -> None:
+        """Stop the engine thread after its current step. Pending requests get EngineDeadError
+        (``reason``, unless the engine already died of something else)."""
+        self._stop, self._stop_reason = True, reason
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -385,8 +386,8 @@ class AsyncEngine:
             self._call_in_loop(self._fail_all, EngineDeadError(f"the engine has stopped: {e}"))
             self._close_engine()
             return
-        self._dead = self._dead or EngineDeadError("the engine was shut down")
-        self._call_in_loop(self._fail_all, EngineDeadError("the engine was shut down"))
+        self._dead = self._dead or EngineDeadError(self._stop_reason)
+        self._call_in_loop(self._fail_all, EngineDeadError(self._stop_reason))
         self._close_engine()
 
     def _close_engine(self) -> None:

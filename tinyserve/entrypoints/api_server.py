@@ -14,6 +14,7 @@ and ``--metrics-no-key``. Bodies over ``--max-request-bytes`` get 413 before the
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -167,7 +168,8 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     )
     app.state.async_engine = async_engine
     # One handler per API over the shared steps (serving.py).
-    common = (async_engine, model_name, config.shutdown_timeout, config.log_requests,
+    grace = config.shutdown_timeout + DRAIN_MARGIN_S  # sse-starlette's (silent) cut: after
+    common = (async_engine, model_name, grace, config.log_requests,  # the drain's own
               config.open_tool_arguments, config.reasoning_parser, config.json_pretty)  # fmt: skip
     app.state.model_name = model_name
     app.state.serving_chat = ChatServing(*common)
@@ -319,6 +321,9 @@ def _route_list(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
+DRAIN_MARGIN_S = 2.0  # past the drain time: for the ended requests' last events to go out
+
+
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
@@ -335,11 +340,29 @@ class _DrainingServer(uvicorn.Server):
     handler of the same signals, only sets the public ``should_exit`` / ``force_exit`` flags
     as uvicorn's does (a second Ctrl+C forces the exit), and touches no private state."""
 
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, drain_s: float) -> None:
+        super().__init__(config)
+        self.async_engine, self.drain_s = async_engine, drain_s
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's drain, with the requests still running at ``drain_s`` ended first: each
+        stream gets an error event and its end, each waiting answer a 503, so that uvicorn's
+        own cut (``DRAIN_MARGIN_S`` later) finds nothing open. Cut by it they ended with no
+        finish and no error (a client could not tell the answer was short) or a plain 500."""
+        reason = f"the server is shutting down (its drain time, {self.drain_s:g} s, ran out)"
+        cut = asyncio.get_running_loop().call_later(
+            self.drain_s, lambda: self.async_engine.shutdown(0.0, reason)
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
 
 
 def run_server(ns: argparse.Namespace) -> int:
@@ -368,7 +391,7 @@ def run_server(ns: argparse.Namespace) -> int:
         host=config.host,
         port=config.port,
         log_level=log_level,
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        timeout_graceful_shutdown=config.shutdown_timeout + DRAIN_MARGIN_S,
     )
-    _DrainingServer(uv_config).run()
+    _DrainingServer(uv_config, app.state.async_engine, config.shutdown_timeout).run()
     return 0

@@ -213,13 +213,16 @@ async def until_disconnect(raw: Request, work: Awaitable, stream: OutputStream):
     """Run a non-streamed request, aborting it if the client goes away meanwhile."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(raw))
-    try:
+    left = True  # the client went away, or this handler was cancelled (a hard shutdown):
+    try:  # the request is aborted either way (it was left running, its task orphaned)
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        left = not task.done()
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        stream.abort()
+        if left:
+            task.cancel()
+            stream.abort()
+    if left:
         raise OpenAIError(499, "client disconnected", "client_closed_request")
     try:
         return task.result()

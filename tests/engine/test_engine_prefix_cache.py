@@ -122,3 +122,27 @@ def test_shared_system_prompt_hits_and_identical_outputs(smol_path, chat_prompts
         on_engine.core.kv_cache_manager.num_free_blocks
         == on_engine.core.kv_cache_manager.num_total_blocks
     )
+
+
+@pytest.mark.slow
+def test_int8_decode_shares_only_prompt_blocks(smol_path, smol_engine):
+    """--decode-activations int8: an answer's K/V comes from the int8 decode rows, a later
+    prompt holding that answer computes it in prompt rows. Its blocks were shared, so the
+    next turn's greedy answer depended on whether they were still cached (a differential
+    hunt: " the ages" against " generations" 16 tokens in). Now only prompt blocks are."""
+    tok = smol_engine.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Tell me a short story about "
+                                     "a dragon."}], add_generation_prompt=True, tokenize=True)  # fmt: skip
+    chat = list(chat if isinstance(chat, list) else chat["input_ids"])
+    kw = dict(model=smol_path, num_blocks=256, block_size=BLOCK_SIZE, decode_activations="int8")
+    answers, cached = {}, {}
+    for caching in (False, True):
+        engine = build_engine(enable_prefix_caching=caching, **kw)
+        engine.add_request("first", chat, greedy(40))
+        first = drain(engine).choices["first"][0].token_ids
+        turn = chat + first + tok.encode("\nAnd then", add_special_tokens=False)
+        engine.add_request("next", turn, greedy(24))
+        out = drain(engine).choices["next"][0]
+        answers[caching], cached[caching] = out.token_ids, out.num_cached_tokens
+    assert cached[True] == len(chat) // BLOCK_SIZE * BLOCK_SIZE > 0  # the prompt's blocks only
+    assert answers[True] == answers[False]

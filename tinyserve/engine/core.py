@@ -48,11 +48,18 @@ def _core_output(
 
 def _kv_cache_manager(executor: Executor, cache: CacheConfig) -> KVCacheManager:
     if executor.kv_groups is None:
-        return KVCacheManager(executor.num_blocks, cache.block_size,
-                              enable_prefix_caching=cache.enable_prefix_caching,
-                              sliding_window=executor.model_config.uniform_window)  # fmt: skip
-    return HybridKVCacheManager(executor.num_blocks, cache.block_size, executor.kv_groups,
-                                enable_prefix_caching=cache.enable_prefix_caching)  # fmt: skip
+        manager = KVCacheManager(executor.num_blocks, cache.block_size,
+                                 enable_prefix_caching=cache.enable_prefix_caching,
+                                 sliding_window=executor.model_config.uniform_window)  # fmt: skip
+    else:
+        manager = HybridKVCacheManager(executor.num_blocks, cache.block_size, executor.kv_groups,
+                                       enable_prefix_caching=cache.enable_prefix_caching)  # fmt: skip
+    # int8 decode rows (--decode-activations int8): an output token's K/V is not what a later
+    # prompt row computes for it, so sharing its blocks answered a hit and a miss differently.
+    if executor.load.decode_activations == "int8":
+        for m in getattr(manager, "groups", [manager]):
+            m.cache_outputs = False
+    return manager
 
 
 class EngineCore:

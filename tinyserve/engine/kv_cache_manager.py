@@ -63,6 +63,7 @@ class KVCacheManager:
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_outputs = True  # False: only prompt tokens' blocks are shared (core.py)
         self.req_to_blocks: dict[str, list[int]] = {}
         self._req_to_chain: dict[str, HashChain] = {}
         self._num_dead: dict[str, int] = {}  # leading table entries released (left of window)
@@ -318,12 +319,12 @@ class KVCacheManager:
             self._num_dead[rid] = i + 1
 
     def _register(self, request: Request, table: list[int], num_tokens: int) -> None:
-        """Register the request's blocks full of its own tokens within ``num_tokens``."""
+        """Hash its full blocks within ``num_tokens`` (without ``cache_outputs``: prompt ones)."""
         if self.enable_prefix_caching:
-            num_full = min(num_tokens, request.num_tokens) // self.block_size
-            self._register_full_blocks(
-                request, table, self._req_to_chain[request.request_id], num_full
-            )
+            mine = request.num_tokens if self.cache_outputs else request.num_prompt_tokens
+            chain = self._req_to_chain[request.request_id]
+            num_full = min(num_tokens, mine) // self.block_size
+            self._register_full_blocks(request, table, chain, num_full)
 
     def _left_of(self, position: int) -> int:
         """Blocks wholly left of the window of a query at ``position`` (0: no window)."""

@@ -134,6 +134,9 @@ class SamplingParams:
     # read from the dict per row and step, a bias over the whole vocabulary (n = 16) took
     # ~0.4 s of every step in Python, slowing every other request ~5x.
     logit_bias_tensors: Any = field(default=None, init=False, repr=False, compare=False)
+    # The compiled grammar, once the async front has awaited it (AsyncEngine.prepare): the
+    # engine thread takes it here, never recompiling one the compile cache evicted meanwhile.
+    compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         salt = self.cache_salt

@@ -256,3 +256,33 @@ def test_structured_outputs_params_take_exactly_one_mode():
     so = StructuredOutputsParams(json='{"b": 1, "a": 2}', field="response_format")
     spec = StructuredOutputManager._spec(SamplingParams(structured_outputs=so))
     assert (spec.kind, spec.value, spec.field) == ("json", '{"b":1,"a":2}', "response_format")
+
+
+def test_the_engine_thread_takes_the_grammar_the_front_awaited(fuzz_model):
+    """The async front awaits a request's compile, then the engine thread adds it; if the
+    compile cache evicted the grammar in between (other requests' grammars), the engine
+    thread compiled it again itself, every stream waiting meanwhile. The front keeps it on
+    the request's params: evicted or not, the engine thread compiles nothing."""
+    import asyncio
+
+    from tinyserve.engine.async_engine import AsyncEngine
+
+    engine = _engine(fuzz_model)
+    so = StructuredOutputsParams(json=SCHEMA)
+    params = _params(so, max_tokens=8)
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        await front.prepare(params)
+        pool = engine.structured._ensure_pool()
+        compiles = pool.num_compiles
+        pool._cache.clear()  # evicted meanwhile
+        async for _ in front.generate("r", [1, 2, 3], params):
+            pass
+        front.shutdown()
+        return pool.num_compiles - compiles
+
+    assert params.compiled_grammar is None
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == 0
+    assert params.compiled_grammar is not None

@@ -197,6 +197,7 @@ class AsyncEngine:
             await asyncio.wait([wrapped])
             if (error := wrapped.exception()) is not None:  # read, never re-raised
                 raise fresh_error(error)
+            params.compiled_grammar = wrapped.result()  # kept: the cache may evict it
 
     def add_request(
         self, request_id: str, prompts: list[list[int]] | list[int], params: SamplingParams

@@ -113,7 +113,9 @@ class StructuredOutputManager:
 
     def compiled(self, params: SamplingParams):
         """The request's compiled grammar, or None (blocks while it compiles: the async front
-        has already awaited it, so there it is a cache hit). Raises ValueError for a bad spec."""
+        has already awaited it and kept it on ``params``). Raises ValueError for a bad spec."""
+        if params.compiled_grammar is not None:
+            return params.compiled_grammar
         future = self.submit(params)
         if future is None:
             return None

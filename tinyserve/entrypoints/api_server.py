@@ -47,7 +47,7 @@ from tinyserve.entrypoints.serving_completion import CompletionServing
 from tinyserve.entrypoints.serving_messages import MessagesServing, messages_router
 from tinyserve.entrypoints.serving_responses import ResponsesServing, responses_router
 from tinyserve.entrypoints.serving_tokens import TokenizeServing
-from tinyserve.entrypoints.streaming import input_size, off_loop
+from tinyserve.entrypoints.streaming import DRAIN_MARGIN_S, input_size, off_loop
 from tinyserve.utils.memory import cap_arenas
 
 logger = logging.getLogger(__name__)
@@ -168,8 +168,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig | None = No
     )
     app.state.async_engine = async_engine
     # One handler per API over the shared steps (serving.py).
-    grace = config.shutdown_timeout + DRAIN_MARGIN_S  # sse-starlette's (silent) cut: after
-    common = (async_engine, model_name, grace, config.log_requests,  # the drain's own
+    common = (async_engine, model_name, config.shutdown_timeout, config.log_requests,
               config.open_tool_arguments, config.reasoning_parser, config.json_pretty)  # fmt: skip
     app.state.model_name = model_name
     app.state.serving_chat = ChatServing(*common)
@@ -321,9 +320,6 @@ def _route_list(text: str) -> tuple[str, ...]:
     return tuple(r.strip() for r in text.split(",") if r.strip())
 
 
-DRAIN_MARGIN_S = 2.0  # past the drain time: for the ended requests' last events to go out
-
-
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
@@ -340,7 +336,8 @@ class _DrainingServer(uvicorn.Server):
     handler of the same signals, only sets the public ``should_exit`` / ``force_exit`` flags
     as uvicorn's does (a second Ctrl+C forces the exit), and touches no private state."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine | None = None,
+                 drain_s: float = 0.0) -> None:  # fmt: skip
         super().__init__(config)
         self.async_engine, self.drain_s = async_engine, drain_s
 
@@ -355,6 +352,8 @@ class _DrainingServer(uvicorn.Server):
         stream gets an error event and its end, each waiting answer a 503, so that uvicorn's
         own cut (``DRAIN_MARGIN_S`` later) finds nothing open. Cut by it they ended with no
         finish and no error (a client could not tell the answer was short) or a plain 500."""
+        if self.async_engine is None:
+            return await super().shutdown(sockets)
         reason = f"the server is shutting down (its drain time, {self.drain_s:g} s, ran out)"
         cut = asyncio.get_running_loop().call_later(
             self.drain_s, lambda: self.async_engine.shutdown(0.0, reason)

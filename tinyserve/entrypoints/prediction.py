@@ -12,9 +12,11 @@ from tinyserve.entrypoints.protocol import bad_request
 MAX_PREDICTION_TOKENS = 32_768
 
 
-def prediction_ids(req, tokenizer) -> tuple[int, ...]:
-    """The prediction's token ids (no special tokens): a 400 when it is empty, too long, or
-    asked with ``n`` > 1 (OpenAI's limit: one answer to predict)."""
+def prediction_ids(req, tokenizer) -> tuple[int, ...] | None:
+    """The prediction's token ids (no special tokens), None without one: a 400 when it is
+    empty, too long, or asked with ``n`` > 1 (OpenAI's limit: one answer to predict)."""
+    if not getattr(req, "prediction", None):  # (completions: an undeclared field's value)
+        return None
     pred: P.Prediction = req.prediction
     text = pred.content
     if isinstance(text, list):

@@ -202,7 +202,7 @@ class OpenAIServing:
             "prompt_logprobs": req.prompt_logprobs,
             "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
-            "prediction": getattr(req, "prediction", None) and prediction_ids(req, self.tokenizer),
+            "prediction": prediction_ids(req, self.tokenizer),
             # Declared by chat and completions only; elsewhere an extra field (check_extra_fields)
             "cache_salt": req.cache_salt if "cache_salt" in type(req).model_fields else None,
             **extra,

@@ -239,16 +239,19 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
+DRAIN_MARGIN_S = 2.0  # past the drain time: for the ended requests' last events to go out
+
+
 def sse(
     events: AsyncIterator[dict[str, Any]], shutdown_grace_period: float, typed: bool = False
 ) -> EventSourceResponse:
     """``typed``: the Responses API's framing, each event named by its ``type``
     (``event: response.created``) and no ``[DONE]`` at the end."""
     # sse-starlette ends every stream at the server's shutdown signal unless given a grace
-    # period: with it, a SIGTERM lets streams in flight finish (the drain).
-    return EventSourceResponse(
-        _sse_lines(events, typed), sep="\n", shutdown_grace_period=shutdown_grace_period
-    )
+    # period: with it, a SIGTERM lets streams in flight finish (the drain). Its own cut is
+    # silent: it comes DRAIN_MARGIN_S after the drain's (api_server._DrainingServer).
+    grace = shutdown_grace_period + DRAIN_MARGIN_S
+    return EventSourceResponse(_sse_lines(events, typed), sep="\n", shutdown_grace_period=grace)
 
 
 # A surrogate code point in a str is a lone one (json.loads joins escaped pairs): a model

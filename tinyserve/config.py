@@ -176,7 +176,7 @@ class ModelConfig:
             ),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            **families.hf_family_fields(cfg, arch),
+            **(families.hf_family_fields(cfg, arch) if arch in SUPPORTED_ARCHITECTURES else {}),
         )
 
     @classmethod

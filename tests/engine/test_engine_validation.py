@@ -60,6 +60,13 @@ def test_offline_containers_of_the_right_shape_are_taken():
     assert p.stop == ["x"] and p.stop_token_ids == [5]
 
 
+def test_settings_of_the_right_kind_are_taken():
+    from tinyserve.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(kv_cache_memory=2e9, enforce_eager=1, max_num_seqs=True + 7)
+    assert args.create_configs().cache.kv_cache_memory == 2_000_000_000
+
+
 def test_tiny_temperatures_are_greedy_or_raised_as_vllm():
     """Below 1e-5 greedy (1e-46 was 0 in the float32 column but sampled at T = 1 by the
     host's reading, and differently alone and batched); below 1e-2 raised to 1e-2 (1e-40

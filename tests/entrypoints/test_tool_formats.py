@@ -125,6 +125,9 @@ def test_tool_results_reach_templates_without_a_tool_role(templated, smollm2_tok
     text = phi.decode(render_chat(phi, messages, True, TOOLS, "auto"))
     assert "<|user|>\nResult of call call_1: OSLO_3C\n\nResult of call call_2: PARIS_9C" in text
     assert "PARIS_9C\n\nAnd tomorrow?<|end|>" in text
+    chat = [P.ChatMessage(role="user", content="One."), P.ChatMessage(role="user", content="Two.")]
+    text = phi.decode(render_chat(phi, chat, True, [], "none"))  # no result: as the client sent
+    assert "<|user|>\nOne.<|end|>\n<|user|>\nTwo.<|end|>" in text
     gemma = templated("google-gemma-2-2b-it")  # its template refuses a system turn: no tools
     text = gemma.decode(render_chat(gemma, messages, True, [], "none"))
     assert text.count("<start_of_turn>user") == 2 and "OSLO_3C" in text and "PARIS_9C" in text

@@ -111,3 +111,27 @@ def test_a_gguf_answer_ends_at_its_end_of_turn_token_too():
               "tokenizer.ggml.eot_token_id": 9}  # fmt: skip
     config = ModelConfig.from_gguf_metadata(fields, {"token_embd.weight": (256, 64)}, "x.gguf")
     assert config.eos_token_ids == (7, 9)
+
+
+def test_a_llamafied_checkpoint_without_o_proj_biases_loads_with_zeros(tmp_path):
+    """attention_bias carrying q/k/v biases only (Qwen converted to Llama): transformers
+    fills the absent o_proj biases with zeros; refused as 'missing weights' in between."""
+    from safetensors.torch import load_file, save_file
+
+    hf = build_hf(tiny_config("llama", attention_bias=True))
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.bias.zero_()
+    path = save_hf(hf, tmp_path / "llamafied")
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith("o_proj.bias")},
+              path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    ours, _ = load_model(path, dtype=torch.float32)
+    tokens = random_tokens(12, seed=5)
+    got = PagedRunner(ours, 4, num_blocks=32, seed=1).step([("s", tokens)])[0]
+    torch.testing.assert_close(got, hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+def test_an_unsupported_architecture_is_named_before_its_keys():
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        _config("GPT2LMHeadModel", hidden_act="gelu_new")

@@ -5,6 +5,7 @@ parts take (``EngineConfig``)."""
 from __future__ import annotations
 
 import argparse
+import numbers
 from dataclasses import dataclass, fields
 
 from tinyserve.config import (
@@ -41,7 +42,7 @@ class EngineArgs:
     block_size: int = 16
     num_blocks: int | None = None
     # None: 1 GiB on a CPU / MPS; on CUDA what gpu_memory_utilization leaves (worker/memory.py)
-    kv_cache_memory: int | str | None = None
+    kv_cache_memory: int | float | str | None = None
     # "auto": the model's dtype; "bfloat16": a bf16 cache for a float32 model on the CPU
     # kernels (half the bytes a decode row's attention reads, twice the tokens per GiB)
     kv_cache_dtype: str = "auto"
@@ -110,8 +111,8 @@ class EngineArgs:
 
 
 _PLAIN = {
-    "int": (int,),
-    "float": (int, float),
+    "int": (numbers.Integral,),
+    "float": (numbers.Real,),
     "bool": (bool,),
     "str": (str,),
     "None": (type(None),),
@@ -129,6 +130,7 @@ def _check_types(args: EngineArgs) -> None:
         ok = any(isinstance(value, t) for k in kinds for t in _PLAIN[k])
         # A str setting also takes what stands for one (torch.bfloat16, a device, a Path).
         ok = ok or ("str" in kinds and not isinstance(value, (int, float, list, dict)))
+        ok = ok or ("bool" in kinds and value in (0, 1) and isinstance(value, numbers.Integral))
         if not ok or (isinstance(value, bool) and "bool" not in kinds):
             raise ValueError(f"{f.name} must be {' or '.join(kinds)}, got {value!r:.60}")
 

@@ -154,7 +154,8 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0, reason: str = "the engine was shut down") -> None:
         """Stop the engine thread after its current step. Pending requests get EngineDeadError
         (``reason``, unless the engine already died of something else)."""
-        self._stop, self._stop_reason = True, reason
+        self._stop_reason = reason  # before _stop: the engine thread reads it once stopping
+        self._stop = True
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)

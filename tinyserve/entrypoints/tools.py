@@ -237,6 +237,7 @@ def render_messages(conversation: list[dict], messages, tools, choice, tool_role
     in the template (chat_template.renders_tool_role) results are user turns, run together
     with the user turns beside them (such templates want user and assistant to alternate)."""
     out: list[dict] = []
+    merged = False
     for turn, m in zip(conversation, messages, strict=True):
         if m.role == "assistant" and getattr(m, "tool_calls", None) and not tools:
             # No tools now (tool_choice none): no envelope to answer in, so earlier calls
@@ -255,8 +256,10 @@ def render_messages(conversation: list[dict], messages, tools, choice, tool_role
             call_id = getattr(m, "tool_call_id", None) or "?"
             turn = {"role": "tool" if tool_role else "user",
                     "content": f"Result of call {call_id}: {turn['content']}"}  # fmt: skip
-        if not tool_role and turn["role"] == "user" and out and out[-1]["role"] == "user":
+        result = not tool_role and m.role == "tool"
+        if out and turn["role"] == out[-1]["role"] == "user" and (result or merged):
             turn = {"role": "user", "content": f"{out.pop()['content']}\n\n{turn['content']}"}
+        merged = result  # a result turn: the user turn after it joins it
         out.append(turn)
     if tools:
         prompt = system_prompt(tools, choice)

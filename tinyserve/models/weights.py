@@ -126,7 +126,13 @@ def load_weights(
                 f"({where}) expects {e.expected}"
             ) from None
         loaded.add((target, shard))
-    missing = sorted(checkpoint_name(p, s) for p, s in needed - loaded)
+    # attention_bias with q/k/v biases only ("llamafied" Qwen): o_proj's zeros, as transformers
+    absent = {(p, s) for p, s in needed - loaded if p.endswith("self_attn.o_proj.bias")}
+    for p, _ in absent:
+        params[p].data.zero_()
+    if absent:
+        logger.warning("%s: no o_proj biases in the checkpoint: zeros", where)
+    missing = sorted(checkpoint_name(p, s) for p, s in needed - loaded - absent)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -19,7 +19,7 @@ import pytest
 
 from tinyserve.entrypoints.api_server import server_config_from_namespace
 from tinyserve.entrypoints.cli import build_parser
-from tinyserve.testing.server import start_server
+from tinyserve.testing.server import start_server, wait_until
 from tinyserve.testing.sse import iter_data
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -169,13 +169,18 @@ def test_sigterm_stops_admitting_and_cuts_streams_past_the_grace_period(
     answer = threading.Thread(target=lambda: waiting.append(
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)))  # fmt: skip
     events, t_signal, refused = [], None, None
+
+    def running() -> bool:  # the waiting answer admitted before the signal closes the socket
+        text = httpx.get(server.base_url + "/metrics", timeout=5).text
+        return re.search(r"^tinyserve:num_requests_running\{[^}]*\} [1-9]", text, re.M) is not None
+
     try:
+        answer.start()
+        assert wait_until(running, timeout=30), "the waiting answer never started"
         with httpx.stream("POST", server.base_url + "/v1/completions",
                           json={**body, "stream": True}) as r:  # fmt: skip
             for data in iter_data(r.iter_lines()):
                 events.append(data)
-                if len(events) == 1:
-                    answer.start()
                 if len(events) == 3 and t_signal is None:
                     server.proc.send_signal(signal.SIGTERM)
                     t_signal = time.monotonic()

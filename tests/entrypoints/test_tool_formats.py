@@ -450,3 +450,17 @@ def test_llama_calls_beside_a_json_answer_are_read_whole(text, is_call):
     check = calls_check(LLAMA, TOOLS, answer={"type": "object", "properties": {
         "name": {"type": "string"}, "tags": {"type": "array", "uniqueItems": True}}})  # fmt: skip
     assert "'uniqueItems'" in check('{"name": "Alice", "tags": [1, 1]}')
+
+
+def test_a_bad_response_format_beside_tools_names_itself_in_a_template_format(family_server):
+    """With the template's own call format the format's schema is built into the calls'
+    grammar, and a schema the rewrites refuse (multipleOf <= 0) was a 400 naming ``tools``."""
+    name, server = family_server
+    fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": {
+        "type": "object", "properties": {"n": {"type": "number", "multipleOf": -2}}}}}  # fmt: skip
+    r = httpx.post(server.url("/v1/chat/completions"), timeout=60,
+                   json=_tools_request(server, "Weather?", max_tokens=8, response_format=fmt))  # fmt: skip
+    assert r.status_code == 400, (name, r.text)
+    err = r.json()["error"]
+    assert err["param"] == "response_format", (name, err)
+    assert err["message"].startswith("response_format: invalid JSON schema: multipleOf"), err

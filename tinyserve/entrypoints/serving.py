@@ -14,7 +14,6 @@ parsers, token strings for logprobs. Large inputs are templated off the loop (of
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from tinyserve.entrypoints.streaming import (
 )
 from tinyserve.entrypoints.structured_options import (
     PRETTY,
+    json_answer_schema,
     structured_outputs_field,
     with_json_options,
 )
@@ -351,17 +351,6 @@ def _answer_names(job: Job) -> list[str] | None:
 def answers_json(tools: list, fmt: StructuredOutputsParams | None, choice) -> bool:
     """Whether an answer without calls is a response format's JSON (``Job.json_answer``)."""
     return bool(tools) and fmt is not None and choice in (None, "auto")
-
-
-def json_answer_schema(fmt: StructuredOutputsParams | None) -> dict | None:
-    """The JSON schema a response format asks of an answer beside tools (``json_object``:
-    any object); None without one. Regex, choice or grammar formats come only through
-    ``structured_outputs``, which tools do not take."""
-    if fmt is None:
-        return None
-    if fmt.json_object:
-        return {"type": "object"}
-    return json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json
 
 
 def format_constraint(

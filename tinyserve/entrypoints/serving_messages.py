@@ -23,7 +23,6 @@ from tinyserve.entrypoints.serving import (
     OpenAIServing,
     answers_json,
     format_constraint,
-    json_answer_schema,
 )
 from tinyserve.entrypoints.streaming import (
     AnswerResponse,
@@ -34,7 +33,7 @@ from tinyserve.entrypoints.streaming import (
     outputs,
     stream_deltas,
 )
-from tinyserve.entrypoints.structured_options import with_json_options
+from tinyserve.entrypoints.structured_options import json_answer_schema, with_json_options
 from tinyserve.entrypoints.tool_formats import tool_format
 from tinyserve.entrypoints.tool_stream import visible_stop
 from tinyserve.outputs import Usage

@@ -28,6 +28,7 @@ from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import bad_request
 from tinyserve.sampling_params import StructuredOutputsParams
 from tinyserve.structured.schema_approx import PRETTY_WHITESPACE
+from tinyserve.structured.schema_fixes import fix_schema
 from tinyserve.structured.strict import closed_objects
 from tinyserve.utils.regex_size import check_regex
 
@@ -115,3 +116,21 @@ def with_json_options(
         return dataclasses.replace(params, json=schema, json_object=None)
     except ValueError as e:
         raise bad_request(e, params.field) from None
+
+
+def json_answer_schema(fmt: StructuredOutputsParams | None) -> dict | None:
+    """The JSON schema a response format asks of an answer beside tools (``json_object``:
+    any object); None without one. Regex, choice or grammar formats come only through
+    ``structured_outputs``, which tools do not take. A schema the rewrites refuse
+    (schema_fixes.py) is a 400 naming the format: a template's own call grammar builds it
+    in, and its errors named ``tools``."""
+    if fmt is None:
+        return None
+    if fmt.json_object:
+        return {"type": "object"}
+    schema = json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json
+    try:
+        fix_schema(schema)
+    except ValueError as e:
+        raise bad_request(f"{fmt.field}: invalid JSON schema: {e}", fmt.field) from None
+    return schema

@@ -6,7 +6,9 @@ Two ``tinyserve serve`` processes on the default model, one with ``--speculative
 same workloads (bench_serving.py: ``grounded`` — a ~350-token passage of code to repeat,
 edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
 server at a time, the order alternating each repetition (off/on, on/off, ...). Greedy, as
-bench_serving sends. Per cell: output tok/s (median over repetitions), the ratio on/off of
+bench_serving sends. Each repetition sends other requests (bench_serving's ``--seed`` is the
+repetition), the same to both servers: before 2026-12-07 every repetition repeated the first
+one's requests, and the `on` server's suffix cache drafted them from its earlier answers. Per cell: output tok/s (median over repetitions), the ratio on/off of
 the medians and the median of each repetition's on/off (``paired_ratio``: the two runs are
 back to back, so a host whose speed drifts between repetitions moves both), and from
 /metrics the acceptance rate and output tokens per verified draft step.
@@ -48,7 +50,7 @@ def spec_counters(base_url: str) -> dict[str, float]:
     return out
 
 
-def one_run(base_url: str, workload: str, concurrency: int, n: int) -> dict:
+def one_run(base_url: str, workload: str, concurrency: int, n: int, seed: int) -> dict:
     ns = bench_serving.build_parser().parse_args(
         [
             "--base-url",
@@ -59,6 +61,8 @@ def one_run(base_url: str, workload: str, concurrency: int, n: int) -> dict:
             str(concurrency),
             "--num-requests",
             str(n),
+            "--seed",
+            str(seed),
             "--no-progress",
         ]  # fmt: skip
     )
@@ -97,7 +101,7 @@ def main() -> int:
                     url = servers[mode].base_url
                     wait_idle(url)
                     before = spec_counters(url)
-                    s = one_run(url, workload, conc, n)
+                    s = one_run(url, workload, conc, n, seed=rep)
                     after = spec_counters(url)
                     delta = {k: after[k] - before.get(k, 0.0) for k in after}
                     cell["runs"].append({"mode": mode, "rep": rep, "output_tok_s": s["output_tok_s"],

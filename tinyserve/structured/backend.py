@@ -117,14 +117,15 @@ class Matcher:
             self._backend.fill_eos_only(bitmask, row)
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens: the matcher is rebuilt from the start
-        and the tokens kept (~0.2 us a kept token). Not llguidance's own rollback: it keeps
-        the last mask the library computed, a one-entry cache keyed by the lexer state and
-        the Earley row index (llguidance 1.9), so a state reached afterwards by other tokens
-        with the same key (inside a string at the same row: edit_file's path where the
-        rolled-back tokens were in read_file's) got the rolled-back state's mask, and a
-        token it allowed was refused (the agent loop's 500, "the grammar rejected token
-        23597"). Its reset keeps that cache too. The engine walks drafts on a ``fork``."""
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens).
+        llguidance keeps the last mask it computed, one entry keyed by the lexer state and
+        the Earley row index (1.9), and its rollback leaves it: a state reached afterwards
+        by other tokens with the same key (inside edit_file's path string where a draft had
+        been inside read_file's: same row, same lexer state) got the draft's mask, and a
+        token it allowed was refused when kept (the agent loop's rare 500, "the grammar
+        rejected token 23597"). So the rolled-back state's mask is computed here, replacing
+        it; from there the matcher only moves forward, where an equal key means an equal
+        state. Its reset keeps the entry too: ``reset`` starts from a copy of the template."""
         ours = min(num_tokens, self._eos_after_stop)
         self._eos_after_stop -= ours
         num_tokens -= ours
@@ -133,22 +134,15 @@ class Matcher:
         if num_tokens > len(self._consumed):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._consumed)} taken")
         del self._consumed[len(self._consumed) - num_tokens :]
-        # Also the way out of a state nothing extends (a draft into a schema part no value
-        # satisfies), where the library's matcher is in an error state.
+        if self._m.rollback(num_tokens):
+            self.fill_bitmask(self._backend.allocate_bitmask(1), 0)  # for its side effect
+            return
+        # A draft led into a state nothing extends (a schema part no value satisfies): the
+        # library's matcher is then in an error state and refuses. Rebuild it from the start
+        # and the tokens kept (rare: only such a dead end gets here).
         self._m = self._template.deep_copy()
         if self._consumed and not self._m.consume_tokens(self._consumed):
             raise ValueError(f"cannot replay {len(self._consumed)} tokens: {self._m.get_error()}")
-
-    def fork(self) -> Matcher:
-        """An independent matcher at this state (llguidance's deep copy, a few us): the
-        engine walks a step's drafts on one, so that the request's own matcher only ever
-        moves forward and no mask of a draft's state stays in its cache (``rollback``)."""
-        other = Matcher.__new__(Matcher)
-        other._backend, other._template = self._backend, self._template
-        other._m = self._m.deep_copy()
-        other._eos_after_stop = self._eos_after_stop
-        other._consumed = list(self._consumed)
-        return other
 
     def forced_tokens(self) -> list[int]:
         """The tokens that follow whatever the model does: the grammar allows one

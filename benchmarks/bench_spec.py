@@ -6,9 +6,11 @@ Two ``tinyserve serve`` processes on the default model, one with ``--speculative
 same workloads (bench_serving.py: ``grounded`` — a ~350-token passage of code to repeat,
 edit or quote — and ``mixed``) at 1, 8 and 32 concurrent, one
 server at a time, the order alternating each repetition (off/on, on/off, ...). Greedy, as
-bench_serving sends. Each repetition sends other requests (bench_serving's ``--seed`` is the
-repetition), the same to both servers: before 2026-12-07 every repetition repeated the first
-one's requests, and the `on` server's suffix cache drafted them from its earlier answers. Per cell: output tok/s (median over repetitions), the ratio on/off of
+bench_serving sends. Each cell and repetition sends other requests (bench_serving's
+``--seed`` is 1000 x the cell's index + the repetition), the same to both servers: before
+2026-12-07 every repetition repeated the first one's requests, and the `on` server's suffix
+cache drafted them from its earlier answers (a workload's first n requests also recur in a
+later cell of the same seed). ``mixed`` draws from 120 prompts: some recur anyway. Per cell: output tok/s (median over repetitions), the ratio on/off of
 the medians and the median of each repetition's on/off (``paired_ratio``: the two runs are
 back to back, so a host whose speed drifts between repetitions moves both), and from
 /metrics the acceptance rate and output tokens per verified draft step.
@@ -94,14 +96,14 @@ def main() -> int:
     }
     results = []
     try:
-        for workload, conc, n in cells:
+        for i, (workload, conc, n) in enumerate(cells):
             cell = {"workload": workload, "concurrency": conc, "num_requests": n, "runs": []}
             for rep in range(args.reps):
                 for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                     url = servers[mode].base_url
                     wait_idle(url)
                     before = spec_counters(url)
-                    s = one_run(url, workload, conc, n, seed=rep)
+                    s = one_run(url, workload, conc, n, seed=1000 * i + rep)
                     after = spec_counters(url)
                     delta = {k: after[k] - before.get(k, 0.0) for k in after}
                     cell["runs"].append({"mode": mode, "rep": rep, "output_tok_s": s["output_tok_s"],

@@ -10,8 +10,9 @@ bench_serving sends. Each cell and repetition sends other requests (bench_servin
 ``--seed`` is 1000 x the cell's index + the repetition), the same to both servers: before
 2026-12-07 every repetition repeated the first one's requests, and the `on` server's suffix
 cache drafted them from its earlier answers (a workload's first n requests also recur in a
-later cell of the same seed). ``mixed`` draws from 120 prompts: some recur anyway. Per cell: output tok/s (median over repetitions), the ratio on/off of
-the medians and the median of each repetition's on/off (``paired_ratio``: the two runs are
+later cell of the same seed). ``mixed`` draws from 120 prompts: some recur anyway. Per
+cell: output tok/s (median over repetitions), the ratio on/off of the medians and the
+median of each repetition's on/off (``paired_ratio``: the two runs are
 back to back, so a host whose speed drifts between repetitions moves both), and from
 /metrics the acceptance rate and output tokens per verified draft step.
 

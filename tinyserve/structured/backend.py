@@ -75,6 +75,7 @@ class Matcher:
         self._m = template.deep_copy()
         self._eos_after_stop = 0  # EOS accepted once stopped: llguidance does not record them
         self._consumed: list[int] = []  # what the library took: rollback's way back (rebuild)
+        self._stale = False  # rolled back, this state's mask not yet computed (rollback)
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """Advance over all of ``token_ids``, or over none: False (state unchanged) when any
@@ -82,6 +83,7 @@ class Matcher:
         ids = list(token_ids)
         if not ids:
             return True
+        self._settle()
         if any(t < 0 or t >= self._backend.tokenizer_vocab_size for t in ids):
             return False
         if self._m.is_error():  # a dead end or a parser limit: nothing, EOS included
@@ -113,6 +115,7 @@ class Matcher:
         if not ok or not mask.is_contiguous():
             raise ValueError("bitmask: a contiguous int32 CPU tensor, one row per request")
         self._m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+        self._stale = False
         if self._m.is_error():
             self._backend.fill_eos_only(bitmask, row)
 
@@ -125,7 +128,9 @@ class Matcher:
         token it allowed was refused when kept (the agent loop's rare 500, "the grammar
         rejected token 23597"). So the rolled-back state's mask is computed here, replacing
         it; from there the matcher only moves forward, where an equal key means an equal
-        state. Its reset keeps the entry too: ``reset`` starts from a copy of the template."""
+        state. The next ``fill_bitmask`` does it (the engine's next row, no extra mask), or
+        else the next call that reads the state (``_settle``). Its reset keeps the entry
+        too: ``reset`` starts from a copy of the template."""
         ours = min(num_tokens, self._eos_after_stop)
         self._eos_after_stop -= ours
         num_tokens -= ours
@@ -135,14 +140,19 @@ class Matcher:
             raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._consumed)} taken")
         del self._consumed[len(self._consumed) - num_tokens :]
         if self._m.rollback(num_tokens):
-            self.fill_bitmask(self._backend.allocate_bitmask(1), 0)  # for its side effect
+            self._stale = True
             return
         # A draft led into a state nothing extends (a schema part no value satisfies): the
         # library's matcher is then in an error state and refuses. Rebuild it from the start
         # and the tokens kept (rare: only such a dead end gets here).
-        self._m = self._template.deep_copy()
+        self._m, self._stale = self._template.deep_copy(), False
         if self._consumed and not self._m.consume_tokens(self._consumed):
             raise ValueError(f"cannot replay {len(self._consumed)} tokens: {self._m.get_error()}")
+
+    def _settle(self) -> None:
+        """A rolled-back state's mask computed before the state is read (``rollback``)."""
+        if self._stale:
+            self.fill_bitmask(self._backend.allocate_bitmask(1), 0)  # for its side effect
 
     def forced_tokens(self) -> list[int]:
         """The tokens that follow whatever the model does: the grammar allows one
@@ -151,6 +161,7 @@ class Matcher:
         the grammar has ended or failed."""
         if self._m.is_stopped() or self._m.is_error():
             return []
+        self._settle()
         return list(self._m.compute_ff_tokens())
 
     def error(self) -> str:
@@ -159,6 +170,7 @@ class Matcher:
         computed its mask yet, so a dead end shows only once it does: computed here (this is
         asked when a token was refused, never per step)."""
         if not self._m.is_error() and not self._m.is_stopped():
+            self._settle()
             self._m.compute_bitmask()
         return self._m.get_error() if self._m.is_error() else ""
 
@@ -169,7 +181,7 @@ class Matcher:
     def reset(self) -> None:
         """Back to the start state (a preempted request recomputed from scratch). A copy of
         the template: llguidance's reset keeps its mask cache (``rollback``)."""
-        self._m = self._template.deep_copy()
+        self._m, self._stale = self._template.deep_copy(), False
         self._eos_after_stop = 0
         self._consumed = []
 

@@ -15,7 +15,7 @@ The adaptive policy's knobs (ours, not vLLM's; spec_decode/proposer.py) are
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _FIELD = "speculative_config"
@@ -42,6 +42,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 1 << 16  # 0.2 ms a lookup at the cap here
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # "auto" (the default) rather than asked for: the engine leaves it off where the model's
+    # numeric path is not the same for a verified draft as for a decoded token (EngineCore).
+    by_default: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "suffix"):
@@ -90,7 +93,7 @@ class SpeculativeConfig:
         if value in ("off", "none"):
             return None
         if value == "auto":
-            return cls(method="suffix")
+            return cls(method="suffix", by_default=True)
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -98,7 +101,7 @@ class SpeculativeConfig:
                 raise ValueError(f"{_FIELD}: not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"{_FIELD}: must be a JSON object")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"by_default"}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"{_FIELD}: unknown key(s) {', '.join(map(repr, unknown))}")
         return cls(**value)

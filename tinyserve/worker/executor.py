@@ -196,6 +196,11 @@ class Executor:
         if self.tp_driver is not None:
             self.tp_driver.shutdown(timeout=10.0)
 
+    @property
+    def attention_backend(self) -> str:
+        """The model's attention method: "kernel", "triton" or "torch"."""
+        return self.runner.model.attention_backend
+
     def describe(self) -> str:
         """The start-up log line's model part."""
         return (

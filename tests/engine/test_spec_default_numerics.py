@@ -1,0 +1,28 @@
+"""Speculation's default ("auto") only where a verified draft's logits are a decoded
+token's: on torch's attention (a dense checkpoint where ``--dtype auto`` measured torch's
+bf16 faster, as on AMX CPUs) decode rows and a verified run take different kernels, and a
+bug hunt on an AMX Xeon saw logprobs 0.016 apart at a verified position; the default is then
+off, and an explicit config still turns it on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine import tiny_engine
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "spec", "speculative"),
+    [
+        ({}, "auto", True),  # the CPU kernels: one numeric path
+        ({"cpu_kernels": False}, "auto", False),  # torch's attention
+        ({"cpu_kernels": False}, {"method": "suffix"}, True),  # asked for
+        ({"cpu_kernels": False}, None, False),
+    ],
+)
+def test_auto_speculation_stays_off_where_drafts_change_numerics(
+    tiny_qwen2_path, kwargs, spec, speculative
+):
+    engine = tiny_engine(tiny_qwen2_path, speculative_config=spec, **kwargs)
+    assert engine.core.executor.attention_backend == ("torch" if kwargs else "kernel")
+    assert engine.core.speculative is speculative

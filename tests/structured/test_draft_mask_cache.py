@@ -14,6 +14,7 @@ import torch
 from tinyserve.engine.structured_output import _fill_with_drafts
 from tinyserve.entrypoints import tools as T
 from tinyserve.structured.spec import StructuredOutputSpec
+from tinyserve.structured.thinking import GRAMMAR, THINKING, UNDECIDED, ThinkingGate
 
 
 def _tool(name: str, *params: str) -> T.Tool:
@@ -98,3 +99,23 @@ def test_rollback_and_reset_forget_the_masks_of_the_states_they_leave(
         matcher.reset()
     assert matcher.accept_tokens(enc("a") + enc("x"))
     assert torch.equal(_mask(matcher), _fresh_mask(backend, compiled, enc("a") + enc("x")))
+
+
+def test_a_fork_moves_alone(backend, smollm2_tokenizer):
+    """A fork (a matcher or a thinking gate) takes tokens; the original keeps its state."""
+    enc = lambda s: smollm2_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    compiled = backend.compile(StructuredOutputSpec.json_schema({"type": "object"}))
+    matcher = backend.matcher(compiled)
+    start = _mask(matcher).clone()
+    fork = matcher.fork()
+    assert fork.accept_tokens(enc('{"a": 1}'))
+    assert fork.is_terminated() and not matcher.is_terminated()
+    assert torch.equal(_mask(matcher), start)
+    think, end = enc(" think")[0], enc(" done")[0]  # any two ids serve as <think>, </think>
+    gate = ThinkingGate(backend.matcher(compiled), think, end)
+    fork = gate.fork()
+    assert fork.accept_tokens([think]) and fork.state == THINKING
+    assert gate.state == UNDECIDED
+    assert gate.accept_tokens(enc("{")) and gate.state == GRAMMAR
+    assert fork.accept_tokens([end]) and fork.accept_tokens(enc("{"))
+    assert fork.state == GRAMMAR and fork.forced_tokens() == gate.forced_tokens()

@@ -140,9 +140,9 @@ class StructuredOutputManager:
     def fill_bitmask(self, sched: SchedulerOutput) -> None:
         """One allowed-token bitmask row per constrained request that samples this step, and
         with speculative drafts one per verified position (``grammar_rows`` holds the first):
-        row j is the mask after the first j drafts (the matcher walks over them and is
-        rolled back). Past a draft the grammar rejects, rows are never used (that draft's
-        own row forbids it, so verification stops there) and repeat the last real one."""
+        row j is the mask after the first j drafts (a fork of the matcher walks over them).
+        Past a draft the grammar rejects, rows are never used (that draft's own row forbids
+        it, so verification stops there) and repeat the last real one."""
         items = [it for it in sched.scheduled if it.samples and it.request.grammar is not None]
         if not items:
             return
@@ -158,20 +158,18 @@ class StructuredOutputManager:
 
 
 def _fill_with_drafts(grammar, drafts: list[int], bitmask, row: int) -> None:
-    advanced = 0  # drafts the matcher walked over: rolled back, it keeps only kept tokens
-    for j, token_id in enumerate(drafts, start=1):
-        if not grammar.accept_tokens([token_id]):
-            break
-        advanced = j
-        grammar.fill_bitmask(bitmask, row + j)
-    if advanced:
-        grammar.rollback(advanced)
-    # Row 0 last: the library's one cached mask is then this state's, which the matcher only
-    # moves forward from (a draft's, left there, went to a later state with the same cache
-    # key: Matcher.rollback). Rows past a draft the grammar rejects are never used.
     grammar.fill_bitmask(bitmask, row)
-    for j in range(advanced + 1, len(drafts) + 1):
-        bitmask[row + j] = bitmask[row + advanced]
+    # The drafts are walked on a fork, thrown away after: the request's matcher only moves
+    # forward. Walked on it and rolled back, the library's mask cache kept a draft's state
+    # and a later state with the same key got its mask (Matcher.rollback).
+    probe = grammar.fork() if drafts else None
+    walking = True
+    for j, token_id in enumerate(drafts, start=1):
+        walking = walking and probe.accept_tokens([token_id])
+        if walking:
+            probe.fill_bitmask(bitmask, row + j)
+        else:
+            bitmask[row + j] = bitmask[row + j - 1]
 
 
 def fresh_error(e: BaseException) -> ValueError:

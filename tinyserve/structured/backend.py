@@ -75,7 +75,6 @@ class Matcher:
         self._m = template.deep_copy()
         self._eos_after_stop = 0  # EOS accepted once stopped: llguidance does not record them
         self._consumed: list[int] = []  # what the library took: rollback's way back (rebuild)
-        self._stale = False  # rolled back, this state's mask not yet computed (rollback)
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """Advance over all of ``token_ids``, or over none: False (state unchanged) when any
@@ -83,7 +82,6 @@ class Matcher:
         ids = list(token_ids)
         if not ids:
             return True
-        self._settle()
         if any(t < 0 or t >= self._backend.tokenizer_vocab_size for t in ids):
             return False
         if self._m.is_error():  # a dead end or a parser limit: nothing, EOS included
@@ -115,22 +113,21 @@ class Matcher:
         if not ok or not mask.is_contiguous():
             raise ValueError("bitmask: a contiguous int32 CPU tensor, one row per request")
         self._m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        self._stale = False
         if self._m.is_error():
             self._backend.fill_eos_only(bitmask, row)
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens).
-        llguidance keeps the last mask it computed, one entry keyed by the lexer state and
-        the Earley row index (1.9), and its rollback leaves it: a state reached afterwards
-        by other tokens with the same key (inside edit_file's path string where a draft had
-        been inside read_file's: same row, same lexer state) got the draft's mask, and a
-        token it allowed was refused when kept (the agent loop's rare 500, "the grammar
-        rejected token 23597"). So the rolled-back state's mask is computed here, replacing
-        it; from there the matcher only moves forward, where an equal key means an equal
-        state. The next ``fill_bitmask`` does it (the engine's next row, no extra mask), or
-        else the next call that reads the state (``_settle``). Its reset keeps the entry
-        too: ``reset`` starts from a copy of the template."""
+        """Undo the last ``num_tokens`` accepted tokens: the matcher is rebuilt from the start
+        and the tokens kept (0.2-0.5 us a kept token). Not llguidance's own rollback: the
+        masks it computes afterwards can be those of states it left — its cache of the last
+        mask, keyed by the lexer state and the Earley row index (1.9), is kept, so a state
+        reached afterwards by other tokens with the same key (inside edit_file's path string
+        where the rolled-back tokens were inside read_file's) got the rolled-back state's
+        mask, and a token it allowed was refused (the agent loop's 500, "the grammar rejected
+        token 23597"); and computing the rolled-back state's mask right after, to replace
+        that entry, still left a differential fuzz finding wrong masks within seconds (tried
+        2026-12-07; docs/architecture.md), where rebuilding found none. Its reset keeps the
+        cache too. The engine never rolls back: it walks drafts on a ``fork``."""
         ours = min(num_tokens, self._eos_after_stop)
         self._eos_after_stop -= ours
         num_tokens -= ours
@@ -139,20 +136,25 @@ class Matcher:
         if num_tokens > len(self._consumed):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._consumed)} taken")
         del self._consumed[len(self._consumed) - num_tokens :]
-        if self._m.rollback(num_tokens):
-            self._stale = True
-            return
-        # A draft led into a state nothing extends (a schema part no value satisfies): the
-        # library's matcher is then in an error state and refuses. Rebuild it from the start
-        # and the tokens kept (rare: only such a dead end gets here).
-        self._m, self._stale = self._template.deep_copy(), False
+        # Also the way out of a state nothing extends (a draft into a schema part no value
+        # satisfies), where the library's matcher is in an error state.
+        self._m = self._template.deep_copy()
         if self._consumed and not self._m.consume_tokens(self._consumed):
             raise ValueError(f"cannot replay {len(self._consumed)} tokens: {self._m.get_error()}")
 
-    def _settle(self) -> None:
-        """A rolled-back state's mask computed before the state is read (``rollback``)."""
-        if self._stale:
-            self.fill_bitmask(self._backend.allocate_bitmask(1), 0)  # for its side effect
+    def fork(self) -> Matcher:
+        """An independent matcher at this state, to walk a step's drafts on and throw away:
+        the request's own matcher only ever moves forward (``rollback``). llguidance's deep
+        copy of the parser state grows with the answer: a step of 4 drafts took 51 / 73 /
+        144 / 298 us at 100 / 1,000 / 3,000 / 6,000 tokens of a JSON answer (the rolled-back
+        walk it replaces: 29-44 us). A fork cannot roll back past its start: the tokens
+        before it are not copied."""
+        other = Matcher.__new__(Matcher)
+        other._backend, other._template = self._backend, self._template
+        other._m = self._m.deep_copy()
+        other._eos_after_stop = self._eos_after_stop
+        other._consumed = []
+        return other
 
     def forced_tokens(self) -> list[int]:
         """The tokens that follow whatever the model does: the grammar allows one
@@ -161,7 +163,6 @@ class Matcher:
         the grammar has ended or failed."""
         if self._m.is_stopped() or self._m.is_error():
             return []
-        self._settle()
         return list(self._m.compute_ff_tokens())
 
     def error(self) -> str:
@@ -170,7 +171,6 @@ class Matcher:
         computed its mask yet, so a dead end shows only once it does: computed here (this is
         asked when a token was refused, never per step)."""
         if not self._m.is_error() and not self._m.is_stopped():
-            self._settle()
             self._m.compute_bitmask()
         return self._m.get_error() if self._m.is_error() else ""
 
@@ -181,7 +181,7 @@ class Matcher:
     def reset(self) -> None:
         """Back to the start state (a preempted request recomputed from scratch). A copy of
         the template: llguidance's reset keeps its mask cache (``rollback``)."""
-        self._m, self._stale = self._template.deep_copy(), False
+        self._m = self._template.deep_copy()
         self._eos_after_stop = 0
         self._consumed = []
 

@@ -65,6 +65,14 @@ class ThinkingGate:
         if inner:
             self._inner.rollback(inner)
 
+    def fork(self) -> ThinkingGate:
+        """An independent gate at this state (over a fork of the inner matcher)."""
+        other = ThinkingGate.__new__(ThinkingGate)
+        other.__dict__.update(self.__dict__)
+        other._inner = self._inner.fork()
+        other._taken = list(self._taken)
+        return other
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._state == THINKING:
             bitmask[row].fill_(-1)

@@ -111,6 +111,11 @@ def test_a_fork_moves_alone(backend, smollm2_tokenizer):
     assert fork.accept_tokens(enc('{"a": 1}'))
     assert fork.is_terminated() and not matcher.is_terminated()
     assert torch.equal(_mask(matcher), start)
+    assert matcher.accept_tokens(enc('{"a"'))  # a fork holds none of the tokens before it:
+    fork = matcher.fork()  # rebuilt, it would replay its own only, from the start
+    assert fork.accept_tokens(enc(": 1"))
+    with pytest.raises(ValueError, match="does not roll back"):
+        fork.rollback(1)
     think, end = enc(" think")[0], enc(" done")[0]  # any two ids serve as <think>, </think>
     gate = ThinkingGate(backend.matcher(compiled), think, end)
     fork = gate.fork()

@@ -62,21 +62,6 @@ def _kv_cache_manager(executor: Executor, cache: CacheConfig) -> KVCacheManager:
     return manager
 
 
-def _drafts_change_numerics(executor: Executor) -> bool:
-    """Whether a verified draft's logits can differ from the same token's decoded alone: on
-    torch's attention (a dense checkpoint where ``--dtype auto`` measured torch's bf16 the
-    faster, as on AMX CPUs) decode rows and a verified run take different kernels (0.016
-    apart in a logprob there), so greedy answers could change; speculation's default
-    ("auto") is then off, and an explicit ``--speculative-config`` still turns it on."""
-    if getattr(executor, "attention_backend", "kernel") != "torch":
-        return False
-    logger.info(
-        "speculative decoding off by default: attention runs on torch here, where a verified "
-        "draft's logits may differ from a decoded token's; --speculative-config turns it on"
-    )
-    return True
-
-
 class EngineCore:
     def __init__(
         self,
@@ -95,7 +80,14 @@ class EngineCore:
         # table per layer group over one pool, the windowed groups' released as for those.
         self.kv_cache_manager = _kv_cache_manager(executor, config.cache)
         spec = config.speculative
-        if spec is not None and spec.by_default and _drafts_change_numerics(executor):
+        # On torch's attention (a dense checkpoint where --dtype auto measured torch's bf16 the
+        # faster, as on AMX CPUs) decode rows and a verified run take different kernels (0.016
+        # apart in a logprob there): speculation's default ("auto") stays off, so that greedy
+        # answers cannot change; an explicit --speculative-config still turns it on.
+        if spec is not None and spec.by_default and executor.attention_backend == "torch":
+            logger.info("speculative decoding off by default: attention runs on torch here, "
+                        "where a verified draft's logits may differ from a decoded token's; "
+                        "--speculative-config turns it on")  # fmt: skip
             spec = None
         # With speculation off only requests with a prediction draft (theirs).
         self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None,

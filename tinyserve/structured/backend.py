@@ -75,6 +75,7 @@ class Matcher:
         self._m = template.deep_copy()
         self._eos_after_stop = 0  # EOS accepted once stopped: llguidance does not record them
         self._consumed: list[int] = []  # what the library took: rollback's way back (rebuild)
+        self._fork = False  # a fork holds no tokens from before it: it never rolls back
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """Advance over all of ``token_ids``, or over none: False (state unchanged) when any
@@ -128,6 +129,8 @@ class Matcher:
         that entry, still left a differential fuzz finding wrong masks within seconds (tried
         2026-12-07; docs/architecture.md), where rebuilding found none. Its reset keeps the
         cache too. The engine never rolls back: it walks drafts on a ``fork``."""
+        if self._fork:  # a rebuild would replay its own tokens only, from the start
+            raise ValueError("a fork walks drafts forward only: it does not roll back")
         ours = min(num_tokens, self._eos_after_stop)
         self._eos_after_stop -= ours
         num_tokens -= ours
@@ -147,13 +150,13 @@ class Matcher:
         the request's own matcher only ever moves forward (``rollback``). llguidance's deep
         copy of the parser state grows with the answer: a step of 4 drafts took 51 / 73 /
         144 / 298 us at 100 / 1,000 / 3,000 / 6,000 tokens of a JSON answer (the rolled-back
-        walk it replaces: 29-44 us). A fork cannot roll back past its start: the tokens
-        before it are not copied."""
+        walk it replaces: 29-44 us). The tokens before it are not copied (they grow with the
+        answer too), so a fork does not roll back."""
         other = Matcher.__new__(Matcher)
         other._backend, other._template = self._backend, self._template
         other._m = self._m.deep_copy()
         other._eos_after_stop = self._eos_after_stop
-        other._consumed = []
+        other._consumed, other._fork = [], True
         return other
 
     def forced_tokens(self) -> list[int]:

@@ -66,11 +66,11 @@ class ThinkingGate:
             self._inner.rollback(inner)
 
     def fork(self) -> ThinkingGate:
-        """An independent gate at this state (over a fork of the inner matcher)."""
+        """An independent gate at this state, over a fork of the inner matcher (which does not
+        roll back): the kept tokens' record is not copied."""
         other = ThinkingGate.__new__(ThinkingGate)
         other.__dict__.update(self.__dict__)
-        other._inner = self._inner.fork()
-        other._taken = list(self._taken)
+        other._inner, other._taken = self._inner.fork(), []
         return other
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:

@@ -15,6 +15,8 @@ import torch
 
 from tests.support.engine import assert_no_leaks, greedy, random_prompt, run_alone, run_batch
 from tests.support.engine import tiny_engine as _tiny
+from tinyserve.kernels import gemm
+from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.worker import model_runner
 
@@ -86,10 +88,39 @@ def test_the_same_bits_batched_chunked_preempted_and_after_a_cache_fill(tiny_qwe
     assert_no_leaks(engine)
 
 
+def test_the_fused_head_gives_the_logits_paths_values(tiny_qwen2_path, monkeypatch):
+    """Scoring takes the logprobs straight from the LM head's tiles (kernels/gemm_score.h:
+    the tiny model's float32 head runs on gemm.c) and gives what the head's logits and then
+    ops.c's row kernel give: the same ranks and top-k ids, logprobs within 2e-6."""
+    calls, fused = [], gemm.score_rows
+
+    def counted(x, *args, **kw):
+        calls.append(len(x))
+        return fused(x, *args, **kw)
+
+    monkeypatch.setattr(gemm, "score_rows", counted)
+    scored = [
+        (f"s{i}", random_prompt(n, seed=60 + i), scoring(k=5)) for i, n in enumerate((50, 37))
+    ]
+    got = run_batch(tiny_engine(tiny_qwen2_path, num_blocks=64), scored)
+    assert sorted(calls) == [36, 49]  # one call a request: its prompt rows but the last
+    monkeypatch.setattr(LlamaForCausalLM, "score_head", lambda self: None)
+    ref = run_batch(tiny_engine(tiny_qwen2_path, num_blocks=64), scored)
+    assert sorted(calls) == [36, 49]
+    for rid, _, _ in scored:
+        for a, b in zip(got[rid].prompt_logprobs[1:], ref[rid].prompt_logprobs[1:], strict=True):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) <= 2e-6
+            assert all(abs(u - v) <= 2e-6 for (_, u), (_, v) in zip(a.top, b.top, strict=True))
+
+
 def test_the_same_bits_when_the_head_runs_in_chunks_of_rows(tiny_qwen2_path, monkeypatch):
-    """The LM head over the prompt rows in chunks of 16 (the floor of
+    """Where scoring computes the logits (a head that is not gemm.c's, as Granite's scaled
+    one), the LM head over the prompt rows in chunks of 16 (the floor of
     ``prompt_logprob_rows``; the tiny vocabulary otherwise fits one chunk): two prompts in one
     step, split at rows that are not the requests' own boundaries, give the one-chunk bits."""
+    monkeypatch.setattr(LlamaForCausalLM, "score_head", lambda self: None)
     scored = [(f"s{i}", random_prompt(n, seed=70 + i), scoring()) for i, n in enumerate((50, 37))]
     ref = run_batch(tiny_engine(tiny_qwen2_path, num_blocks=64), scored)
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BYTES", 1)

@@ -328,6 +328,15 @@ static void run_groups(const weight_t *w, const act_t *a, float *buf, float *tai
     }
 }
 
+// A call's activations, once: the bf16 pairs xb (and their Q4_1 block sums into sx), or the
+// float rows' Q4_1 block sums.
+static void prepare_activations(const weight_t *w, int bf16, const float *x, int64_t ldx, int M,
+                                float *sx, uint32_t *xb) {
+    if (bf16) bf16_path_activations(x, ldx, M, w->K, w->kind, xb, sx);
+    else for (int r = 0; r < (w->kind == 0 ? M : 0); r++)
+        for (int64_t b = 0; b < w->nb; b++) sx[r * w->nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
+}
+
 // Entry point (ctypes); threads split the groups in units of 32 outputs. flags: a weight kind
 // | BF16_ACT. Returns 0, -1 without scratch memory, -2 for a bf16 call this build cannot serve.
 int gemm(int flags, const void *qs, const float *d, const float *m, const float *x,
@@ -348,9 +357,7 @@ int gemm(int flags, const void *qs, const float *d, const float *m, const float 
     float *bufs = base + n_sx, *tail = bufs + n_buf;
     uint32_t *xb = bf16 ? (uint32_t *)(tail + (size_t)M * 16) : NULL;
     const act_t a = {x, base, ldx, M, xb, K / 2};
-    if (bf16) bf16_path_activations(x, ldx, M, K, kind, xb, base);
-    else for (int r = 0; r < (kind == 0 ? M : 0); r++)
-        for (int64_t b = 0; b < nb; b++) base[r * nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
+    prepare_activations(&w, bf16, x, ldx, M, base, xb);
     if (nthreads == 1) {
         run_groups(&w, &a, bufs, tail, y, ldy, 0, G);
     } else {
@@ -366,3 +373,5 @@ int gemm(int flags, const void *qs, const float *d, const float *m, const float 
     free(base);
     return 0;
 }
+
+#include "gemm_score.h"  // gemm_score: prompt logprobs straight from the head's tiles

@@ -52,7 +52,16 @@ def _bind(name: str, restype) -> ctypes.CDLL | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    return _bind("gemm", ctypes.c_int)
+    lib = _bind("gemm", ctypes.c_int)
+    return None if lib is None else bind_score(lib)
+
+
+def bind_score(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A gemm.c build's ``gemm_score`` typed (:func:`score_rows`)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gemm_score.argtypes = [i32, p, p, p, p, i64, i64, i64, i32, p, i32, p, p, p, p, i32]
+    lib.gemm_score.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:
@@ -286,6 +295,52 @@ def matmul(
     assert lib is not None, "CPU kernels are not available"
     kw = w.kernel if isinstance(w, PackedWeight) else w
     return _run(lib.gemm, "matmul", x, kw, num_threads, out, BF16_ACT if bf16 else 0)
+
+
+SCORE_MAX_K = 32  # gemm_score.h's (logprob.h's LOGPROB_MAX_K)
+
+
+def score_rows(
+    x: torch.Tensor,
+    w: PackedWeight | KernelWeight,
+    targets: torch.Tensor,
+    k: int,
+    bf16: bool = False,
+    num_threads: int | None = None,
+    lib: ctypes.CDLL | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` [M, K] and its target id: the log-softmax value of the target under
+    the logits ``x @ W.T`` (as :func:`matmul` computes them), its rank and the top ``k`` ids
+    and log-softmax values (k <= 32; ties: the lower id first), without the logits ever
+    written out (gemm_score.h). -> (logprob [M], rank [M] int32, top ids [M, k] int32, top
+    logprobs [M, k]): what kernels.ops.logprob_rows gives on ``matmul``'s output. ``lib``:
+    another build of gemm.c (bound by :func:`bind_score`; tests), ``w`` then a KernelWeight
+    of its group width."""
+    lib = lib or library()
+    assert lib is not None, "CPU kernels are not available"
+    kw = w.kernel if isinstance(w, PackedWeight) else w
+    x, targets = x.contiguous(), targets.to(torch.int64).contiguous()
+    m_rows, kdim = x.shape
+    n = kw.shape[0]
+    shapes = f"x {tuple(x.shape)} {x.dtype}, targets {tuple(targets.shape)}, weight {kw.shape}"
+    if kdim != kw.shape[1] or x.dtype != torch.float32 or tuple(targets.shape) != (m_rows,):
+        raise ValueError(f"score_rows: {shapes}")
+    in_range = m_rows == 0 or 0 <= int(targets.min()) <= int(targets.max()) < n
+    if not 0 <= k <= SCORE_MAX_K or not in_range:
+        raise ValueError(f"score_rows: k {k} must be in [0, {SCORE_MAX_K}], targets in [0, {n})")
+    lp = torch.empty(m_rows, dtype=torch.float32)
+    rank = torch.empty(m_rows, dtype=torch.int32)
+    top_ids = torch.empty(m_rows, k, dtype=torch.int32)
+    top_lp = torch.empty(m_rows, k, dtype=torch.float32)
+    flags = _KIND_IDS[kw.kind] | (BF16_ACT if bf16 else 0)
+    rc = lib.gemm_score(flags, _ptr(kw.qs), _ptr(kw.d), _ptr(kw.m), x.data_ptr(), kdim, n, kdim,
+                        m_rows, targets.data_ptr(), k, lp.data_ptr(), rank.data_ptr(),
+                        top_ids.data_ptr(), top_lp.data_ptr(), num_threads or kernel_threads())  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"score_rows: no bf16-activation kernel for {kw.kind} weights on this CPU")
+    if rc:
+        raise MemoryError(f"score_rows: no scratch memory for {m_rows} rows")
+    return lp, rank, top_ids, top_lp
 
 
 def matmul_q8(

@@ -138,81 +138,9 @@ void rope_and_cache_bf16(float *qkv, const float *cos, const float *sin, uint16_
     rope_and_cache_t(qkv, cos, sin, k_cache, v_cache, slots, T, H, KVH, D, nthreads, 1);
 }
 
-// Prompt logprobs (model_runner.py): per row of logits [rows, V] and its target token, the
-// target's log-softmax value (x_t - m) - log(sum exp(x - m)), its rank (1 + how many logits
-// exceed it) and the top k (k <= 32; ties: the lower id first) with their log-softmax values
-// — in two passes over the row (max, count and top k; then the sum of exp), where torch takes
-// five (log_softmax, gather, a compare and a sum, topk): 66 -> 6 ms for 256 rows of a
-// 49,152-token vocabulary (the Xeon; scoring 64 x 512-token prompts 1.97x -> 1.40x their
-// prefill). Rows over threads; a row's result depends on that row only.
-#define LOGPROB_MAX_K 32
-
-static void topk_insert(float *bv, int32_t *bi, int k, int *n, float v, int32_t id) {
-    int j = *n < k ? (*n)++ : k - 1;  // the slot freed (the worst, or a new one)
-    while (j > 0 && bv[j - 1] < v) {  // strictly smaller moves down: an equal, older id stays first
-        bv[j] = bv[j - 1], bi[j] = bi[j - 1];
-        j--;
-    }
-    bv[j] = v, bi[j] = id;
-}
-
-// The first pass over a row x [V] whose target's logit is xt: the maximum *m, how many
-// logits exceed xt (*count) and the top k (bv / bi, the best first).
-INLINE void logprob_scan(const float *x, int64_t V, float xt, int k, float *bv, int32_t *bi,
-                         float *m_out, int64_t *count_out) {
-    int n = 0;
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    __m256i cnt = _mm256_setzero_si256();
-    const __m256 tv = _mm256_set1_ps(xt);
-    int64_t i = 0;
-    for (; i + 8 <= V; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        mx = _mm256_max_ps(mx, v);
-        cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
-        if (k > 0) {  // only lanes over the current k-th best are looked at
-            const float thr = n < k ? -INFINITY : bv[k - 1];
-            int bits = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ));
-            while (bits) {
-                const int l = __builtin_ctz(bits);
-                bits &= bits - 1;
-                if (n < k || x[i + l] > bv[k - 1]) topk_insert(bv, bi, k, &n, x[i + l], (int32_t)(i + l));
-            }
-        }
-    }
-    int32_t c[8];
-    _mm256_storeu_si256((__m256i *)c, cnt);
-    int64_t count = c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
-    float m = -INFINITY;
-    {
-        float t[8];
-        _mm256_storeu_ps(t, mx);
-        for (int l = 0; l < 8; l++) m = t[l] > m ? t[l] : m;
-    }
-    for (; i < V; i++) {
-        m = x[i] > m ? x[i] : m;
-        count += x[i] > xt;
-        if (k > 0 && (n < k || x[i] > bv[k - 1])) topk_insert(bv, bi, k, &n, x[i], (int32_t)i);
-    }
-    *m_out = m, *count_out = count;
-}
-
-// The second pass: log(sum exp(x - m)) of a row x [V] whose maximum is m. The sum in double
-// (49,152 terms in float lose ~1e-5 of the log): exp in float.
-INLINE float logprob_lse(const float *x, int64_t V, float m) {
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-    int64_t i;
-    for (i = 0; i + 8 <= V; i += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
-        s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-        s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-    }
-    double d[4], sum = 0.0;
-    _mm256_storeu_pd(d, _mm256_add_pd(s0, s1));
-    sum = (d[0] + d[1]) + (d[2] + d[3]);
-    for (; i < V; i++) sum += exp((double)x[i] - m);
-    return (float)log(sum);
-}
+// Prompt logprobs from logits (model_runner.py, where the head is not gemm.c's: gemm_score.h
+// fuses the same into the head's matmul): logprob.h's two passes a row.
+#include "logprob.h"
 
 void logprob_rows(const float *logits, int64_t rows, int64_t V, const int64_t *targets, int k,
                   float *lp, int32_t *rank, int32_t *top_ids, float *top_lp, int nthreads) {
@@ -223,8 +151,9 @@ void logprob_rows(const float *logits, int64_t rows, int64_t V, const int64_t *t
         float bv[LOGPROB_MAX_K], m;
         int32_t bi[LOGPROB_MAX_K];
         int64_t count;
-        logprob_scan(x, V, xt, k, bv, bi, &m, &count);
-        const float lse = logprob_lse(x, V, m);
+        int n = 0;
+        logprob_scan(x, V, 0, xt, k, bv, bi, &n, &m, &count);
+        const float lse = (float)log(logprob_sumexp(x, V, m));
         lp[r] = (xt - m) - lse;
         rank[r] = (int32_t)count + 1;
         for (int j = 0; j < k; j++) {

@@ -52,3 +52,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, num_decode: int = 0) -> torch.Tensor:
         return super().compute_logits(hidden, num_decode) / self.config.logits_scaling
+
+    def score_head(self):
+        return None  # the logits are the head's output scaled (compute_logits)

@@ -38,6 +38,7 @@ from tinyserve.layers.attention_method import TORCH_ATTENTION, AttentionMethod
 from tinyserve.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
+    PackedMethod,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -283,6 +284,14 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] float32 (only the rows that sample are passed in; the
         first ``num_decode`` of them are decode rows)."""
         return self.lm_head_module.logits(hidden, num_decode).float()
+
+    def score_head(self) -> PackedMethod | None:
+        """The LM head's CPU-kernel method where the logits are exactly its output (no bias,
+        nothing after ``compute_logits``' matmul): prompt scoring then takes the logprobs
+        straight from its tiles (kernels/gemm_score.h); None: from ``compute_logits``."""
+        head = self.lm_head_module
+        method = head.method
+        return method if isinstance(method, PackedMethod) and head.bias is None else None
 
     def checkpoint_tensors(self, tensors, gguf: bool = False):
         """Hook: the checkpoint's (name, tensor, file) triples (GGUF ones already under HF

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve.kernels import ops
+from tinyserve.kernels import gemm, ops
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from tinyserve.utils.kv_groups import kv_groups
@@ -149,19 +149,25 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scoring: list[PromptRows]) -> dict:
         """Each scored prompt row's next prompt token: its logprob under the model (log-softmax
-        of the float32 logits, no sampling stage), rank and top-k, prompt_logprob_rows rows of
-        logits at a time — on a CPU in ops.c's two passes a row (kernels.ops.logprob_rows:
-        66 -> 6 ms after the head's matmul for 256 rows of SmolLM2's 49,152 logits),
-        elsewhere in torch."""
+        of the float32 logits, no sampling stage), rank and top-k. Where the head is gemm.c's
+        (``score_head``), all of a request's rows in one call that never writes the logits
+        (kernels/gemm_score.h); else prompt_logprob_rows rows of logits at a time, then on a
+        CPU ops.c's two passes a row (kernels.ops.logprob_rows), elsewhere torch."""
         result: dict[str, list[TokenLogprob]] = {}
-        chunk = prompt_logprob_rows(self.config.vocab_size)
+        head = self.model.score_head() if scoring else None
         for rows in scoring:
+            fused = head is not None and rows.k <= gemm.SCORE_MAX_K
+            chunk = len(rows.targets) if fused else prompt_logprob_rows(self.config.vocab_size)
             for s in range(0, len(rows.targets), chunk):
                 first = rows.first_row + s
                 targets = rows.targets[s : s + chunk]
-                logits = self.model.compute_logits(hidden[first : first + len(targets)])
+                h = hidden[first : first + len(targets)]
                 want = torch.tensor(targets, dtype=torch.int64)
-                lp, rank, top_id, top_lp = _row_logprobs(logits, want, rows.k)
+                if fused:
+                    stats = gemm.score_rows(h, head.kernel, want, rows.k, head.bf16)
+                else:
+                    stats = _row_logprobs(self.model.compute_logits(h), want, rows.k)
+                lp, rank, top_id, top_lp = stats
                 parts = [want[:, None], lp[:, None], rank[:, None], top_id, top_lp]
                 host = torch.cat([p.to(_HOST, torch.float64) for p in parts], dim=1).tolist()
                 result.setdefault(rows.request_id, []).extend(

@@ -137,7 +137,7 @@ class OpenAIServing:
         thinks = getattr(job, "thinks", False) or getattr(job, "splitter", None) is not None
         if job is not None and job.stops and not thinks:
             choices = job.params.n * len(job.prompts)
-            answered = TS.all_stopped(partial(self.tool_stream, job), choices)
+            answered = TS.AllStopped(partial(self.tool_stream, job), choices)
         return await until_disconnect(raw, collect(stream, answered), stream)
 
     def sse(self, events: AsyncIterator[dict[str, Any]], typed: bool = False) -> Response:

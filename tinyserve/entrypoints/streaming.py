@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -28,6 +28,9 @@ from tinyserve.engine.client import (
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError
 from tinyserve.outputs import StepOutput, TokenLogprob, Usage, count_cached
+
+if TYPE_CHECKING:
+    from tinyserve.entrypoints.tool_stream import AllStopped
 
 # Inputs larger than this (characters of text or message content) are templated and
 # tokenised in a worker thread instead of on the event loop.
@@ -182,30 +185,34 @@ async def outputs(stream: OutputStream) -> AsyncIterator[StepOutput]:
 
 
 async def collect(
-    stream: OutputStream, answered: Callable[[StepOutput], bool] | None = None
+    stream: OutputStream, answered: AllStopped | None = None
 ) -> tuple[list[Choice], Usage | None]:
     """A non-streamed request: every choice in index order, and the request's usage.
-    ``answered(out)`` (fed every output): True once nothing more is wanted (every choice
-    ended by a stop string of its text, tool_stream.all_stopped): the request is aborted there
-    and the usage counts the tokens so far."""
+    ``answered(out)`` (fed every output; tool_stream.AllStopped): True once nothing more is
+    wanted (every choice ended by a stop string of its text): the request is aborted there
+    and the usage counts the tokens so far. A choice whose text has met its stop while
+    others run on keeps counting its tokens, but takes no more text or logprobs."""
     choices: dict[int, Choice] = {}
     usage, prompt_tokens = None, {}
     async for out in outputs(stream):
         c = choices.setdefault(out.index, Choice(prompt_index=out.prompt_index))
+        c.num_tokens += len(out.new_token_ids)
+        usage = out.usage or usage
+        prompt_tokens[out.prompt_index] = out.num_prompt_tokens
+        if answered is not None and answered.stopped(out.index):
+            continue
         c.finish_reason = finish_reason_of(out)
         c.text += out.text_delta
-        c.num_tokens += len(out.new_token_ids)
         c.logprobs.extend(out.logprobs)
         c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
         c.stop_reason = out.stop_reason
-        usage = out.usage or usage
-        prompt_tokens[out.prompt_index] = out.num_prompt_tokens
         if answered is not None and answered(out) and out.usage is None:
             stream.abort()
             usage = Usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))
-            for c in choices.values():  # each ended by a stop string of its text
-                c.finish_reason = c.finish_reason or "stop"
             break
+    for i, c in choices.items():  # ended by a stop string of its text
+        if answered is not None and answered.stopped(i):
+            c.finish_reason = c.finish_reason or "stop"
     return [choices[i] for i in sorted(choices)], usage
 
 

@@ -266,7 +266,7 @@ class StopAtText:
     complete one. Wraps a choice's parser: content is held back while a stop string may
     begin in it, cut where one ends it (kept with ``include``), then the choice finishes
     (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The request
-    is then aborted (Job.answered for a stream, ``all_stopped`` for a whole answer)."""
+    is then aborted (Job.answered for a stream, ``AllStopped`` for a whole answer)."""
 
     def __init__(self, inner, stops, include: bool = False) -> None:
         self.inner, self.stops, self.include = inner, list(stops), include
@@ -313,15 +313,22 @@ def visible_stop(parser) -> str | None:
     return parser.stop_reason if isinstance(parser, StopAtText) else None
 
 
-def all_stopped(make, choices: int):
+class AllStopped:
     """``answered(out)`` for a non-streamed answer (streaming.collect): each choice's text
     through its own parser from ``make()`` (a StopAtText), True once all ``choices`` have
-    met a stop string, so that the request is aborted there."""
-    parsers: dict[int, StopAtText] = {}
+    met a stop string, so that the request is aborted there; ``stopped(index)``: that
+    choice's text has met one (what it generates after is not its answer)."""
 
-    def answered(out) -> bool:
-        parser = parsers.get(out.index) or parsers.setdefault(out.index, make())
+    def __init__(self, make, choices: int) -> None:
+        self._make, self._choices = make, choices
+        self._parsers: dict[int, StopAtText] = {}
+
+    def stopped(self, index: int) -> bool:
+        parser = self._parsers.get(index)
+        return parser is not None and visible_stop(parser) is not None
+
+    def __call__(self, out) -> bool:
+        parser = self._parsers.get(out.index) or self._parsers.setdefault(out.index, self._make())
         parser.feed(out.text_delta)
-        return len(parsers) == choices and all(map(visible_stop, parsers.values()))
-
-    return answered
+        parsers = self._parsers.values()
+        return len(parsers) == self._choices and all(map(visible_stop, parsers))

@@ -72,15 +72,16 @@ class OtherBlock(_Strict):
 
 def _block_kind(v: Any) -> str:
     kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    # The tags are capitalised: error_location leaves them out of a param.
-    return {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult"}.get(kind, "Other")
+    # The tags are the blocks' class names: error_location leaves them out of a param.
+    tags = {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"}
+    return tags.get(kind, "OtherBlock")
 
 
 # Tagged by ``type``: a known block with a bad field is that block's error (``text`` missing,
 # ``input`` not an object), never "a 'text' block is not supported" from the catch-all.
 Block = Annotated[
-    Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")]
-    | Annotated[ToolResultBlock, Tag("ToolResult")] | Annotated[OtherBlock, Tag("Other")],
+    Annotated[TextBlock, Tag("TextBlock")] | Annotated[ToolUseBlock, Tag("ToolUseBlock")]
+    | Annotated[ToolResultBlock, Tag("ToolResultBlock")] | Annotated[OtherBlock, Tag("OtherBlock")],
     Discriminator(_block_kind),
 ]  # fmt: skip
 DROPPED = frozenset({"thinking", "redacted_thinking"})

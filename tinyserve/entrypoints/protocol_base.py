@@ -5,6 +5,7 @@ default."""
 from __future__ import annotations
 
 import functools
+import re
 import types
 import typing
 from typing import Any, ClassVar
@@ -78,21 +79,37 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-# Names pydantic puts in an error's location for a union's branch, not a field.
+# Names pydantic puts in an error's location for a union's branch, not a field: plain
+# types, and the forms of ``list[int]``, ``literal['a','b']``, ``function-after[...]``.
 _BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_BRANCH_FORM = re.compile(r"[a-z][a-z-]*\[.*\]", re.S)
+
+
+def _model_names() -> set[str]:
+    """Every pydantic model class's name: a union of models names its branch so (our
+    tagged unions' tags are their classes' names too)."""
+    names, todo = set(), [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__name__ not in names:
+                names.add(sub.__name__)
+                todo.append(sub)
+    return names
 
 
 def error_location(loc) -> str:
     """A pydantic error location as OpenAI writes a param: ``messages[0].content``; a
-    union's branch names (``str``, ``list[int]``, ``function-after[...]``, a tagged union's
-    tag, which our models write capitalised) left out."""
-    out = ""
+    union's branch names (``str``, ``list[int]``, ``function-after[...]``, a model's class
+    name) left out — not a dict's keys (``metadata.User``, ``metadata.user-id``)."""
+    out, models = "", None
     for x in loc:
         if isinstance(x, int):
             out += f"[{x}]"
             continue
         x = str(x)
-        if x in _BRANCHES or any(c in x for c in "[]-") or x[:1].isupper():
+        if x in _BRANCHES or _BRANCH_FORM.fullmatch(x):
+            continue
+        if x[:1].isupper() and x in (models := models or _model_names()):
             continue
         out += f".{x}" if out else x
     return out

@@ -326,8 +326,10 @@ def score_rows(
     if kdim != kw.shape[1] or x.dtype != torch.float32 or tuple(targets.shape) != (m_rows,):
         raise ValueError(f"score_rows: {shapes}")
     in_range = m_rows == 0 or 0 <= int(targets.min()) <= int(targets.max()) < n
-    if not 0 <= k <= SCORE_MAX_K or not in_range:
-        raise ValueError(f"score_rows: k {k} must be in [0, {SCORE_MAX_K}], targets in [0, {n})")
+    if not 0 <= k <= min(SCORE_MAX_K, n) or not in_range:
+        raise ValueError(
+            f"score_rows: k {k} must be in [0, {min(SCORE_MAX_K, n)}], targets in [0, {n})"
+        )
     lp = torch.empty(m_rows, dtype=torch.float32)
     rank = torch.empty(m_rows, dtype=torch.int32)
     top_ids = torch.empty(m_rows, k, dtype=torch.int32)
@@ -338,8 +340,9 @@ def score_rows(
                         top_ids.data_ptr(), top_lp.data_ptr(), num_threads or kernel_threads())  # fmt: skip
     if rc == -2:
         raise ValueError(f"score_rows: no bf16-activation kernel for {kw.kind} weights on this CPU")
-    if rc:
+    if rc == -1:
         raise MemoryError(f"score_rows: no scratch memory for {m_rows} rows")
+    assert rc == 0, rc  # -3 (k out of range) is refused above
     return lp, rank, top_ids, top_lp
 
 

@@ -40,9 +40,11 @@ def logprob_rows(
     each row (ops.c). -> (logprob [rows], rank [rows] int32, top ids [rows, k] int32, top
     logprobs [rows, k])."""
     lib = library()
-    assert lib is not None and logits.dtype == torch.float32 and 0 <= k <= LOGPROB_MAX_K
+    assert lib is not None and logits.dtype == torch.float32
     logits, targets = logits.contiguous(), targets.to(torch.int64).contiguous()
     rows, V = logits.shape
+    if not 0 <= k <= min(LOGPROB_MAX_K, V):  # past V the top-k slots would hold garbage
+        raise ValueError(f"logprob_rows: k {k} must be in [0, {min(LOGPROB_MAX_K, V)}]")
     lp = torch.empty(rows, dtype=torch.float32)
     rank = torch.empty(rows, dtype=torch.int32)
     top_ids = torch.empty(rows, k, dtype=torch.int32)

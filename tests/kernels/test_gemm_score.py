@@ -27,8 +27,9 @@ needs_kernel = pytest.mark.skipif(
 
 
 def _weight(kind: str) -> gemm.PackedWeight:
-    if kind == "f32":
-        return gemm.from_dense(torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.05)
+    if kind in ("f32", "bf16"):
+        dense = gemm.from_dense if kind == "f32" else gemm.from_dense_bf16
+        return dense(torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.05)
     qtype = Q4_1 if kind == "q4_1" else Q8_0
     return gemm.from_gguf(random_blocks(qtype, N, K, seed=5), int(qtype), (N, K))
 
@@ -76,7 +77,8 @@ needs_bf16 = pytest.mark.skipif(
     not gemm.bf16_available(), reason="needs a CPU with AVX512-BF16 (vdpbf16ps)"
 )
 KINDS = [("q4_1", False), ("q8_0", False), ("f32", False),
-         pytest.param("q4_1", True, marks=needs_bf16), pytest.param("q8_0", True, marks=needs_bf16)]  # fmt: skip
+         pytest.param("q4_1", True, marks=needs_bf16), pytest.param("q8_0", True, marks=needs_bf16),
+         pytest.param("bf16", True, marks=needs_bf16)]  # fmt: skip
 
 
 @needs_kernel

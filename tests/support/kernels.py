@@ -37,3 +37,13 @@ def tp1():
     from tinyserve.distributed.parallel_state import TPGroup
 
     return TPGroup()
+
+
+def logits_gap(reference, model, tokens=tuple(range(3, 40)), steps: int = 20) -> float:
+    """The largest logit difference of ``model`` from ``reference`` through a prefill of
+    ``tokens`` and ``steps`` decode steps, relative to the reference's logit range."""
+    from tinyserve.testing.paged_runner import PagedRunner
+
+    a = PagedRunner(reference, 4, num_blocks=32).prefill_then_decode(list(tokens), steps)
+    b = PagedRunner(model, 4, num_blocks=32).prefill_then_decode(list(tokens), steps)
+    return float((a - b).abs().max() / (a.max() - a.min()))

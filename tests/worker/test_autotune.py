@@ -199,3 +199,52 @@ def test_cpu_time_snapshot_sees_another_process_busy():
     others = others_cpu_seconds(before, cpu_time_snapshot())
     assert others is not None and others >= 0.5, others  # the child's ~1 s of CPU
     assert others_cpu_seconds(None, before) is None
+
+
+def test_the_kernels_best_candidate_is_preferred_to_torchs_bf16():
+    k, bk, b = autotune.KERNELS, autotune.BF16_KERNELS, autotune.TORCH_BF16
+    t = {k: {1: 2.0, 16: 4.0, 128: 20.0}, bk: {1: 1.0, 16: 2.1, 128: 10.5},
+         b: {1: 1.1, 16: 2.0, 128: 10.0}}  # fmt: skip
+    assert autotune.choose(t)[0] == bk  # torch's bf16 within 10%: the invariant bf16 kernels
+    t[bk] = {1: 1.0, 16: 3.0, 128: 15.0}
+    assert autotune.choose(t)[0] == b  # 1.5x faster at a prefill chunk: torch's
+    del t[b]
+    assert autotune.choose(t)[0] == bk  # between the kernels' two: the faster
+    assert autotune.choose({k: t[bk], bk: t[k]})[0] == k
+
+
+@pytest.mark.skipif(
+    not gemm.bf16_available(), reason="needs a CPU with AVX512-BF16 (bf16 weights' tiles)"
+)
+def test_a_bf16_checkpoint_may_be_held_in_bf16_on_the_kernels(
+    tiny_llama_dir, tmp_path, monkeypatch, caplog, measuring
+):
+    """``--dtype auto`` on a bf16 safetensors checkpoint: the kernels holding its weights in
+    bf16 are a candidate (not for a float32 checkpoint, whose weights they would round); when
+    they win, the engine runs float32 with ``quantization`` bf16, every linear on them."""
+    from tinyserve.engine.llm_engine import LLMEngine
+    from tinyserve.sampling_params import SamplingParams
+
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = save_hf(build_hf(llama_config()).to(torch.bfloat16), tmp_path / "bf16")
+    seen = []
+
+    def sweep(candidates):  # the bf16 kernels fastest
+        seen.append(sorted(candidates))
+        return {c: {r: 1.0 if c == autotune.BF16_KERNELS else 2.0 for r in autotune.ROWS}
+                for c in candidates}  # fmt: skip
+
+    monkeypatch.setattr(autotune, "_sweep", sweep)
+    with caplog.at_level(logging.INFO):
+        engine = LLMEngine(model=str(path), num_blocks=16, load_tokenizer=False)
+    assert seen == [["bfloat16", "bfloat16+kernels", "float32+kernels"]]
+    assert engine.executor.dtype == torch.float32 and engine.executor.load.quantization == "bf16"
+    methods = {m.method.name for m in engine.executor.model.linear_layers().values()}
+    assert methods == {"kernel-bf16"}
+    assert any("float32 + bf16 weights" in r.getMessage() for r in caplog.records)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    seen.clear()
+    LLMEngine(model=str(tiny_llama_dir), num_blocks=16, load_tokenizer=False)
+    assert seen == [["bfloat16", "float32+kernels"]]

@@ -58,7 +58,7 @@ class EngineArgs:
     load_tokenizer: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split over (docs/scaling.md)
     cpu_kernels: bool = True  # tinyserve/kernels matmuls + attention (CPU, fp32; batch-invariant)
-    quantization: str | None = None  # "int8": weight-only int8 for float checkpoints
+    quantization: str | None = None  # "int8" / "bf16": weight-only, for float checkpoints
     decode_activations: str = "float32"  # GGUF blocks: "int8" rounds decode activations
     kernel_activations: str = "auto"  # GGUF blocks: bf16 activations where AVX512-BF16 is
     fused_step: bool = True  # all layers in one C call (kernels/step.c) on the kernel path
@@ -266,8 +266,10 @@ def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "int8"],
-        help="int8: weight-only int8 (per-channel scales) for float checkpoints (CPU kernels)",
+        choices=["none", "int8", "bf16"],
+        help="weight-only, for float checkpoints, on the CPU kernels: int8 (per-channel "
+        "scales); bf16 (AVX512-BF16 or AMX: the weights in bf16, the matmuls' activations "
+        "rounded to bf16, batch-invariant)",
     )
     parser.add_argument(
         "--decode-activations",

@@ -10,6 +10,9 @@
 //           d, m float32 [G, K/32, GW]: w = d * q + m
 //   kind 1  Q8_0 (GGUF) or int8 per channel: qs int8 [G, K/32, 32, GW]; d [G, K/32, GW]: w = d * q
 //   kind 2  float32: qs [G, K, GW] (a dense weight, for the batch-invariant path)
+//   kind 3  bf16 (a dense weight, bf16 activations only: gemm_bf16.h, gemm_amx.h): qs uint32
+//           [G, K/32, 16, GW], word (g, b, p, c) = bf16 weights p (low half) and p + 16 of
+//           block b of output GW*g+c
 //
 // Batch invariance is the contract: every y[r, n] is this sequence of float operations,
 // whatever M, the tiling, the thread count and the vector width:
@@ -337,12 +340,18 @@ static void prepare_activations(const weight_t *w, int bf16, const float *x, int
         for (int64_t b = 0; b < w->nb; b++) sx[r * w->nb + b] = block_sum(x + (int64_t)r * ldx + b * 32);
 }
 
+// A call this build cannot serve: bf16 activations without its bf16 tiles (or AMX's grant),
+// or for float32 weights; bf16 weights without bf16 activations.
+static int unserved(int bf16, int kind) {
+    return (bf16 && (!gemm_bf16() || kind == 2 || !amx_ready())) || (kind == 3 && !bf16);
+}
+
 // Entry point (ctypes); threads split the groups in units of 32 outputs. flags: a weight kind
 // | BF16_ACT. Returns 0, -1 without scratch memory, -2 for a bf16 call this build cannot serve.
 int gemm(int flags, const void *qs, const float *d, const float *m, const float *x,
          int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K, int M, int nthreads) {
     const int bf16 = (flags & BF16_ACT) != 0, kind = flags & (BF16_ACT - 1);
-    if (bf16 && (!gemm_bf16() || kind == 2 || !amx_ready())) return -2;
+    if (unserved(bf16, kind)) return -2;
     if (M <= 0) return 0;
     weight_t w = {kind, qs, d, m, K, N, K / 32};
     const int64_t G = (N + GW - 1) / GW, nb = K / 32;

@@ -32,8 +32,8 @@ import torch
 
 from tinyserve.kernels.build import kernel_threads, load
 
-Q4_1, Q8_0, F32 = "q4_1", "q8_0", "f32"
-_KIND_IDS = {Q4_1: 0, Q8_0: 1, F32: 2}
+Q4_1, Q8_0, F32, BF16 = "q4_1", "q8_0", "f32", "bf16"
+_KIND_IDS = {Q4_1: 0, Q8_0: 1, F32: 2, BF16: 3}
 BF16_ACT = 16  # or-ed into a kind id: gemm.c's bf16-activation path (gemm_bf16.h)
 _GGML_TYPES = {3: Q4_1, 8: Q8_0}  # GGML type ids
 _BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
@@ -123,7 +123,7 @@ class PackedWeight:
     scales and ``m`` minima (Q4_1) widened to float32, one row of K/32 blocks per output."""
 
     kind: str
-    qs: torch.Tensor  # uint8 [N, K/32, 16] (Q4_1), int8 [N, K] (Q8_0), float32 [N, K] (F32)
+    qs: torch.Tensor  # uint8 [N, K/32, 16] (Q4_1), int8 [N, K] (Q8_0), float32 / bfloat16 [N, K]
     d: torch.Tensor | None  # float32 [N, K/32] (Q4_1, Q8_0)
     m: torch.Tensor | None  # float32 [N, K/32] (Q4_1)
     shape: tuple[int, int]
@@ -150,8 +150,8 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the tests compare against)."""
         n, k = self.shape
-        if self.kind == F32:
-            return self.qs
+        if self.kind in (F32, BF16):
+            return self.qs.float()
         if self.kind == Q8_0:
             return (self.qs.float().view(n, k // 32, 32) * self.d[..., None]).view(n, k)
         lo, hi = self.qs & 0x0F, self.qs >> 4
@@ -174,7 +174,8 @@ class KernelWeight:
     one vector lane computes one output.
 
     Q4_1: ``qs`` uint8 [G, K/32, 16, W] (byte p of each output's block), ``d``/``m`` [G, K/32, W];
-    Q8_0: ``qs`` int8 [G, K/32, 32, W], ``d`` [G, K/32, W]; F32: ``qs`` float32 [G, K, W]."""
+    Q8_0: ``qs`` int8 [G, K/32, 32, W], ``d`` [G, K/32, W]; F32: ``qs`` float32 [G, K, W];
+    BF16: ``qs`` int32 [G, K/32, 16, W] (pairs: weight p's bits low, weight p + 16's high)."""
 
     kind: str
     qs: torch.Tensor
@@ -193,6 +194,10 @@ class KernelWeight:
 
         if w.kind == Q4_1:  # [N, K/32, 16] -> [G, K/32, 16, W]
             qs = _grouped(w.qs, n, gw).permute(0, 2, 3, 1)
+        elif w.kind == BF16:  # [N, K] -> [G, K/32, 16, W] words: weight p | weight p + 16 << 16
+            bits = w.qs.view(torch.int16).to(torch.int32).reshape(n, k // 32, 2, 16) & 0xFFFF
+            words = bits[:, :, 0] | (bits[:, :, 1] << 16)
+            qs = _grouped(words, n, gw).permute(0, 2, 3, 1)
         elif w.kind == Q8_0:  # [N, K] -> [G, K/32, 32, W]
             qs = _grouped(w.qs.reshape(n, k // 32, 32), n, gw).permute(0, 2, 3, 1)
         else:  # [N, K] -> [G, K, W]
@@ -238,6 +243,15 @@ def from_dense(w: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(F32, w.detach().float().contiguous(), None, None, (n, k))
 
 
+def from_dense_bf16(w: torch.Tensor) -> PackedWeight | None:
+    """A float weight as bf16 rows (rounded to nearest even; a bf16 checkpoint's exactly),
+    for the bf16-activation kernels (gemm_bf16.h, gemm_amx.h); None if K % 32."""
+    n, k = w.shape
+    if k % 32 != 0:
+        return None
+    return PackedWeight(BF16, w.detach().to(torch.bfloat16).contiguous(), None, None, (n, k))
+
+
 def quantize_int8(w: torch.Tensor) -> PackedWeight | None:
     """Weight-only int8 with one scale per output channel: q = round(w / s), s = max|w| / 127.
     Stored as Q8_0 blocks whose scales are all the channel's scale. None if K % 32."""
@@ -274,6 +288,8 @@ def _run(fn, what: str, x: torch.Tensor, w, num_threads, out, flags: int = 0) ->
         return y
     rc = fn(_KIND_IDS[w.kind] | flags, _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k,
             y.data_ptr(), n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
+    if rc == -2 and w.kind == BF16 and not flags & BF16_ACT:
+        raise ValueError(f"{what}: bf16 weights are served with bf16 activations only")
     if rc == -2:
         raise ValueError(f"{what}: no bf16-activation kernel for {w.kind} weights on this CPU")
     if rc:

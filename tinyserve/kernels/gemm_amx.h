@@ -42,6 +42,10 @@ int gemm_amx(void) { return 1; }
 static void amx_pack_block(const weight_t *w, int64_t g, int64_t b, uint32_t *dst) {
     for (int p = 0; p < 16; p++)
         for (int c = 0; c < GW; c++) {
+            if (w->kind == 3) {  // bf16 pairs already
+                dst[p * GW + c] = ((const uint32_t *)w->qs)[((g * w->nb + b) * 16 + p) * GW + c];
+                continue;
+            }
             int lo, hi;
             if (w->kind == 0) {
                 const uint8_t q = ((const uint8_t *)w->qs)[((g * w->nb + b) * 16 + p) * GW + c];
@@ -85,8 +89,12 @@ static int amx_ready(void) {
         TILE_DPBF16(CT, AT, BT);                                                           \
         TILE_STORE(CT, Sb, GW * 4);                                                        \
         const int64_t o = (g * nb + (b)) * GW;                                             \
-        const vf dv = VLOAD(w->d + o);                                                     \
-        for (int r = 0; r < MT; r++) T[r] = VFMA(dv, VLOADA(Sb + r * GW), T[r]);           \
+        if (w->kind == 3) {  /* bf16 weights: no scale, T + S */                          \
+            for (int r = 0; r < MT; r++) T[r] = VADD(T[r], VLOADA(Sb + r * GW));           \
+        } else {                                                                           \
+            const vf dv = VLOAD(w->d + o);                                                 \
+            for (int r = 0; r < MT; r++) T[r] = VFMA(dv, VLOADA(Sb + r * GW), T[r]);       \
+        }                                                                                  \
         if (w->kind == 0) {                                                                \
             const vf mv = VLOAD(w->m + o);                                                 \
             for (int r = 0; r < MT; r++) T[r] = VFMA(mv, VSET1(a->sx[(r0 + r) * nb + (b)]), T[r]); \
@@ -155,10 +163,12 @@ static void amx_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y,
         for (int p0 = 0; p0 < M; p0 += PANEL) {
             const int pm = M - p0 < PANEL ? M - p0 : PANEL;
             for (int64_t g = g0; g < g1; g++) {
-                for (int64_t b = 0; b < w->nb; b++) amx_pack_block(w, g, b, buf + b * 16 * GW);
+                // bf16 weights are B tiles already ([nb, 16, GW] pairs): read in place
+                const uint32_t *panel = w->kind == 3 ? (const uint32_t *)w->qs + g * w->nb * 16 * GW : buf;
+                for (int64_t b = 0; w->kind != 3 && b < w->nb; b++) amx_pack_block(w, g, b, buf + b * 16 * GW);
                 for (int r = p0; r < p0 + pm; r += TILE_ROWS) {
                     const int rows = p0 + pm - r < TILE_ROWS ? p0 + pm - r : TILE_ROWS;
-                    amx_tile_any(w, g, buf, a, r, rows, y + (g - g0) * GW, ldy, 0);
+                    amx_tile_any(w, g, panel, a, r, rows, y + (g - g0) * GW, ldy, 0);
                 }
             }
         }

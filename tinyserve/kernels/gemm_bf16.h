@@ -9,7 +9,9 @@
 // Contract, per output, whatever M, the tiling and the thread count:
 //   T = 0; per block b in order: S = 0; for p = 0..15: S = dpbf16(S, (q_p, q_p+16),
 //   (xr_p, xr_p+16)); T = fma(d_b, S, T); Q4_1: T = fma(m_b, sxr_b, T)
-// with xr = bf16(x) and sxr_b = block_sum of block b's xr.
+// with xr = bf16(x) and sxr_b = block_sum of block b's xr. A bf16 weight (kind 3: a dense
+// checkpoint's weights as bf16 pairs, no scale) is its own codes, and T = T + S (what
+// fma(1, S, T) gives).
 #ifndef TINYSERVE_GEMM_BF16_H
 #define TINYSERVE_GEMM_BF16_H
 #include "gemm_common.h"  // weight_t, act_t, q8_codes, block_sum, prefetch_block, PANEL
@@ -60,6 +62,7 @@ static const uint16_t BF16_NIBBLE[32] __attribute__((aligned(64))) = {
 // the codes' conversion, not memory, bounds the tile). The same bf16 values, so the same
 // results.
 INLINE __m512i code_pairs(const weight_t *w, int64_t g, int64_t b, int p) {
+    if (w->kind == 3) return _mm512_load_si512((const uint32_t *)w->qs + ((g * w->nb + b) * 16 + p) * GW);
     if (w->kind == 0) {
         const uint8_t *q = (const uint8_t *)w->qs + ((g * w->nb + b) * 16 + p) * GW;
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
@@ -111,6 +114,10 @@ INLINE void tile_bf16(const weight_t *w, int64_t g0, const int NT, int prefetch,
         for (int r = 0; r < MT; r++)
             for (int i = 0; i < NT; i++) {
                 const int64_t o = ((g0 + i) * nb + b) * GW;
+                if (w->kind == 3) {
+                    T[r][i] = _mm512_add_ps(T[r][i], S[r][i]);
+                    continue;
+                }
                 T[r][i] = VFMA(VLOAD(w->d + o), S[r][i], T[r][i]);
                 if (w->kind == 0) T[r][i] = VFMA(VLOAD(w->m + o), VSET1(a->sx[(r0 + r) * nb + b]), T[r][i]);
             }
@@ -154,7 +161,9 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
         const int tiles = wide ? 1 : (pm + 5) / 6, mt = (pm + tiles - 1) / tiles;  // balanced
         for (int64_t g = g0; g < g1;) {
             const int NG = !wide && g + 2 <= g1 ? 2 : 1;
-            if (!few)
+            // bf16 weights are pairs already, in the buffer's layout: read in place
+            const uint32_t *pairs = w->kind == 3 ? (const uint32_t *)w->qs + g * half * GW : buf;
+            if (!few && w->kind != 3)
                 for (int i = 0; i < NG; i++)
                     for (int64_t b = 0; b < w->nb; b++)
                         for (int p = 0; p < 16; p++)
@@ -162,7 +171,7 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
             const int prefetch = few && (NG == 2 || wide) && g + (PF_TILES(mt) + 1) * NG <= g1;
             for (int r = p0; r < p0 + pm; r += mt) {
                 const int rows = p0 + pm - r < mt ? p0 + pm - r : mt;
-                tile_bf16_any(w, g, NG, prefetch && r == p0, few ? NULL : buf, a, r, rows,
+                tile_bf16_any(w, g, NG, prefetch && r == p0, few ? NULL : pairs, a, r, rows,
                               y + (g - g0) * GW, ldy);
             }
             g += NG;

@@ -8,7 +8,8 @@
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE, vf / GW
 #include <string.h>
 
-// One weight in the kernel layout (gemm.c): kind 0 Q4_1, 1 Q8_0, 2 float32; nb = K / 32.
+// One weight in the kernel layout (gemm.c): kind 0 Q4_1, 1 Q8_0, 2 float32, 3 bf16 pairs (the
+// bf16-activation paths only; no scales); nb = K / 32.
 typedef struct {
     int kind;
     const void *qs;
@@ -63,11 +64,11 @@ INLINE vf q8_codes(const weight_t *w, int64_t g, int64_t b, int j) {
 // prefetch 1 tile ahead, not 2: a 1-row step's matmuls 1.26-1.40x, then 1.01-1.06x (Zen 4,
 // benchmarks/README.md; likely as an L1 prefetch holds one of the few L1 miss buffers).
 INLINE void prefetch_block(const weight_t *w, int64_t ga, int NT, int64_t b, const int L2) {
-    const int64_t cb = (w->kind == 0 ? 16 : 32) * GW;  // code bytes of a group's block
+    const int64_t cb = (w->kind == 0 ? 16 : w->kind == 3 ? 64 : 32) * GW;  // a group's block
     for (int i = 0; i < NT; i++) {
         const char *q = (const char *)w->qs + ((ga + i) * w->nb + b) * cb;
         for (int64_t off = 0; off < cb; off += 64) prefetch_line(q + off, L2);
-        if ((b * GW * 4) % 64 == 0) {  // a cache line of scales (and minima) per 64 bytes
+        if (w->kind != 3 && (b * GW * 4) % 64 == 0) {  // a line of scales (and minima) per 64 B
             prefetch_line(w->d + ((ga + i) * w->nb + b) * GW, L2);
             if (w->kind == 0) prefetch_line(w->m + ((ga + i) * w->nb + b) * GW, L2);
         }

@@ -105,7 +105,7 @@ int gemm_score(int flags, const void *qs, const float *d, const float *m, const 
                int64_t ldx, int64_t N, int64_t K, int M, const int64_t *targets, int k,
                float *lp, int32_t *rank, int32_t *top_ids, float *top_lp, int nthreads) {
     const int bf16 = (flags & BF16_ACT) != 0, kind = flags & (BF16_ACT - 1);
-    if (bf16 && (!gemm_bf16() || kind == 2 || !amx_ready())) return -2;
+    if (unserved(bf16, kind)) return -2;
     if (k < 0 || k > LOGPROB_MAX_K) return -3;
     if (M <= 0) return 0;
     const weight_t w = {kind, qs, d, m, K, N, K / 32};

@@ -25,6 +25,7 @@ typedef __m512 vf;
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VSTOREA(p, v) _mm512_store_ps(p, v)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #define VSET1(s) _mm512_set1_ps(s)
 #else
 #define GW 8
@@ -35,6 +36,7 @@ typedef __m256 vf;
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VSTOREA(p, v) _mm256_store_ps(p, v)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
 #define VSET1(s) _mm256_set1_ps(s)
 #endif
 #define VBCAST(p) VSET1(*(p))

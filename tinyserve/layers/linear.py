@@ -82,12 +82,13 @@ class PackedMethod(LinearMethod):
     def __init__(self, packed: PackedWeight, int8_decode: bool = False, bf16: bool = False):
         blocks = packed.kind in (gemm.Q4_1, gemm.Q8_0)
         self.int8_decode = int8_decode and blocks
-        self.bf16 = bf16 and blocks and gemm.bf16_available()
+        # bf16 weights are served with bf16 activations only (gemm_bf16.h)
+        self.bf16 = packed.kind == gemm.BF16 or (bf16 and blocks and gemm.bf16_available())
         self.kernel = packed.kernel  # gemm.c's layout
         # The checkpoint's layout only where qgemm.c reads it (int8 decode rows): otherwise
         # it is dropped with the loader's copy, so the blocks are held once.
         self.packed = packed if self.int8_decode else None
-        self.name = f"kernel-{packed.kind}" + ("+bf16" if self.bf16 else "")
+        self.name = f"kernel-{packed.kind}" + ("+bf16" if self.bf16 and blocks else "")
         self.name += "+int8-decode" if self.int8_decode else ""
 
     def apply(self, layer, x, num_decode=0):
@@ -108,20 +109,28 @@ def copy_weight(dest: torch.Tensor, src: torch.Tensor, sliced: bool = False) -> 
     dest.copy_(src)
 
 
+QUANTIZATIONS = ("int8", "bf16")  # weight-only, for a dense checkpoint's float weights
+
+
 def check_quantization(quantization, cpu_kernels: bool, dtype, device) -> None:
-    """ValueError (naming the field) for a ``quantization`` that cannot be honoured: int8 runs
-    only through the CPU kernels, in float32 on the CPU."""
+    """ValueError (naming the field) for a ``quantization`` that cannot be honoured: int8 and
+    bf16 run only through the CPU kernels, in float32 on the CPU; bf16 on their bf16 tiles
+    (AVX512-BF16 or AMX)."""
     if quantization in (None, "none"):
         return
-    if quantization != "int8":
-        raise ValueError(f"quantization {quantization!r} is not supported: use none or int8")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported: use none, int8 or bf16")
     if not (cpu_kernels and dtype == torch.float32 and torch.device(device).type == "cpu"):
         raise ValueError(
-            "quantization: int8 runs through the CPU kernels only (device cpu, dtype float32, "
-            "without --no-cpu-kernels)"
+            f"quantization: {quantization} runs through the CPU kernels only (device cpu, dtype "
+            "float32, without --no-cpu-kernels)"
         )
     if not gemm.available():
-        raise ValueError("quantization: int8 needs the CPU kernels, which cannot be built here")
+        raise ValueError(
+            f"quantization: {quantization} needs the CPU kernels, which cannot be built here"
+        )
+    if quantization == "bf16" and not gemm.bf16_available():
+        raise ValueError("quantization: bf16 weights need a CPU with AVX512-BF16 or AMX-BF16")
 
 
 def resolve_kernel_activations(kernel_activations: str) -> str:
@@ -165,13 +174,25 @@ def choose_linear_methods(
             own_blocks = w is not None
             if w is None and quantization == "int8":
                 w = gemm.quantize_int8(layer.weight.data)
+            if w is None and quantization == "bf16":
+                w = gemm.from_dense_bf16(layer.weight.data)
             if w is None:
                 w = gemm.from_dense(layer.weight.data)
             if w is not None and w.shape == tuple(layer.weight.shape):
                 method = PackedMethod(w, int8_decode and own_blocks, bf16 and own_blocks)
+                if w.kind != gemm.F32 and not own_blocks:
+                    _drop_float_copy(layer)
         layer.set_method(method)
         counts[method.name] = counts.get(method.name, 0) + 1
     return counts
+
+
+def _drop_float_copy(layer: nn.Module) -> None:
+    """A layer whose kernel holds its own copy of a dense weight (bf16, int8) frees the
+    float32 one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5
+    of bf16). Not the embedding, whose rows the lookup reads (a tied head)."""
+    if isinstance(layer, LinearBase):
+        layer.weight = _param(0, dtype=layer.weight.dtype)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -173,6 +173,22 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
     )
 
 
+def checkpoint_dtype(model) -> torch.dtype | None:
+    """The dtype a safetensors checkpoint says its weights are stored in (config.json's
+    ``torch_dtype``, ``dtype`` in newer transformers), or None (a GGUF, or not said)."""
+    source = model if isinstance(model, ModelSource) else resolve_model_source(model)
+    if source.kind != "safetensors":
+        return None
+    try:
+        cfg = json.loads((source.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        name
+    )
+
+
 def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, int, int], ...]:
     """(weight kind, N, K) of each matmul of a decoder layer (fused q/k/v, o, fused gate/up,
     down), read from the config and (for a GGUF) the tensor table only: what
@@ -182,7 +198,7 @@ def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, in
     config, _ = load_model_config(source, ckpt)
     from tinyserve.kernels.gemm import block_kind
 
-    dense = "q8_0" if quantization == "int8" else "f32"
+    dense = {"int8": "q8_0", "bf16": "bf16"}.get(quantization, "f32")
 
     def kind(*names: str) -> str:
         """The blocks the kernels keep (GGUFCheckpoint.packed_blocks: stacked parts must share

@@ -59,9 +59,13 @@ class Choice:
     dtype: torch.dtype
     reason: str
     timings_ms: dict  # candidate -> {rows: ms}
+    quantization: str | None = None  # "bf16": the kernels hold the dense weights in bf16
 
 
 Shapes = tuple[tuple[str, int, int], ...]  # (weight kind, N, K) of each matmul of a layer
+
+
+KERNELS, BF16_KERNELS, TORCH_BF16 = "float32+kernels", "bfloat16+kernels", "bfloat16"
 
 
 def _key(shapes: Shapes, bf16_act: bool) -> str:
@@ -93,36 +97,48 @@ def _packed(kind: str, base: torch.Tensor):
             axis=-1,
         ).reshape(n, nb * 20)
         return gemm.from_gguf(raw, 3, (n, k))
+    if kind == gemm.BF16:
+        return gemm.from_dense_bf16(base)
     return gemm.quantize_int8(base) if kind == gemm.Q8_0 else gemm.from_dense(base)
 
 
-def _measure(shapes: Shapes, bf16_act: bool = False) -> dict[str, dict[int, float]]:
+def _kernel_copies(kinds: list[str], bases: list[torch.Tensor]) -> list:
+    """The layer in gemm.c's layout, and copies of it past the last-level cache (take_rows
+    copies codes, scales and minima: all streamed), built before the timing."""
+    layer = [_packed(kind, b) for kind, b in zip(kinds, bases, strict=True)]
+    nbytes = sum(p.nbytes for p in layer)
+    return [[p.kernel for p in layer]] + [
+        [p.take_rows(torch.arange(p.shape[0])).kernel for p in layer]
+        for _ in range(max(0, _LLC_BYTES // nbytes - 1))
+    ]
+
+
+def _measure(
+    shapes: Shapes, bf16_act: bool = False, bf16_weights: bool = False
+) -> dict[str, dict[int, float]]:
     """ms per decoder layer (every matmul of ``shapes``, each call's own cost included) per
-    candidate and row count."""
+    candidate and row count; with ``bf16_weights`` (a bf16 checkpoint's dense weights) also
+    the kernels holding them in bf16."""
     from tinyserve.kernels import gemm
 
     gen = torch.Generator().manual_seed(0)
     bases = [torch.randn(n, k, generator=gen) * 0.02 for _, n, k in shapes]
     candidates = {}  # name -> (matmul, the layer's weights and their copies, dtype)
     if gemm.available():
-        layer = [_packed(kind, b) for (kind, _, _), b in zip(shapes, bases, strict=True)]
-        nbytes = sum(p.nbytes for p in layer)
-        # gemm.c's layout of each copy (take_rows copies codes, scales and minima: all
-        # streamed), built before the timing.
-        copies = [[p.kernel for p in layer]] + [
-            [p.take_rows(torch.arange(p.shape[0])).kernel for p in layer]
-            for _ in range(max(0, _LLC_BYTES // nbytes - 1))
-        ]
-
-        # Block weights through the bf16-activation tiles where the engine will use them.
+        # Block weights through the bf16-activation tiles where the engine will use them;
+        # bf16 weights always.
         def kernel_matmul(x, w):
-            return gemm.matmul(x, w, bf16=bf16_act and w.kind != gemm.F32)
+            return gemm.matmul(x, w, bf16=w.kind == gemm.BF16 or bf16_act and w.kind != gemm.F32)
 
-        candidates["float32+kernels"] = (kernel_matmul, copies, torch.float32)
+        kinds = [kind for kind, _, _ in shapes]
+        candidates[KERNELS] = (kernel_matmul, _kernel_copies(kinds, bases), torch.float32)
+        if bf16_weights:
+            copies = _kernel_copies([gemm.BF16] * len(kinds), bases)
+            candidates[BF16_KERNELS] = (kernel_matmul, copies, torch.float32)
     bf16 = [b.to(torch.bfloat16) for b in bases]
     nbytes = sum(b.nbytes for b in bf16)
     copies = [bf16] + [[b.clone() for b in bf16] for _ in range(_LLC_BYTES // nbytes - 1)]
-    candidates["bfloat16"] = (F.linear, copies, torch.bfloat16)
+    candidates[TORCH_BF16] = (F.linear, copies, torch.bfloat16)
     return _sweep(candidates)
 
 
@@ -157,12 +173,15 @@ def _sweep(candidates: dict, reps: int = 5) -> dict[str, dict[int, float]]:
 
 
 def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
-    """(candidate, why) from per-row-count timings (ms per matmul)."""
+    """(candidate, why) from per-row-count timings (ms per matmul): the smallest worst ratio
+    to the best at each shape; torch's bf16 only if it beats the kernels' best candidate (both
+    batch-invariant) by more than KERNEL_PREFERENCE."""
     best = {r: min(t[r] for t in timings.values()) for r in ROWS}
     worst_ratio = {c: max(t[r] / best[r] for r in ROWS) for c, t in timings.items()}
     pick = min(worst_ratio, key=worst_ratio.get)
-    kernel = "float32+kernels"
-    if pick != kernel and kernel in timings:
+    kernels = [c for c in (KERNELS, BF16_KERNELS) if c in timings]
+    kernel = min(kernels, key=worst_ratio.get) if kernels else None
+    if pick == TORCH_BF16 and kernel is not None:
         if worst_ratio[kernel] <= KERNEL_PREFERENCE * worst_ratio[pick]:
             pick = kernel
     shown = "; ".join(
@@ -171,7 +190,9 @@ def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     return pick, f"{pick} is within {worst_ratio[pick]:.2f}x of the best at every shape ({shown})"
 
 
-def _calibrate(shapes: Shapes, bf16_act: bool) -> tuple[dict | None, float, float]:
+def _calibrate(
+    shapes: Shapes, bf16_act: bool, bf16_weights: bool = False
+) -> tuple[dict | None, float, float]:
     """(timings, seconds, share of our CPUs that others took): timings is None when the
     machine stayed busy over two tries. Candidates taking turns hit alike by a steady load is
     not enough: a load that preempts the kernels' OpenMP workers makes every parallel region
@@ -188,7 +209,7 @@ def _calibrate(shapes: Shapes, bf16_act: bool) -> tuple[dict | None, float, floa
         # main thread, made every kernel call of the engine thread wake its workers through
         # the kernel: served TPOT 7 -> 14 ms at one stream here. The team ends with the thread.
         with ThreadPoolExecutor(1, thread_name_prefix="tinyserve-calibration") as pool:
-            timings = pool.submit(_measure, shapes, bf16_act).result()
+            timings = pool.submit(_measure, shapes, bf16_act, bf16_weights).result()
         others = others_cpu_seconds(before, cpu_time_snapshot())
         share = 0.0 if others is None else others / ((time.monotonic() - t) * usable_cpus())
         if share <= BUSY_SHARE:
@@ -196,12 +217,17 @@ def _calibrate(shapes: Shapes, bf16_act: bool) -> tuple[dict | None, float, floa
     return None, time.monotonic() - t0, share
 
 
-def choose_cpu_dtype(shapes: Shapes, kernel_activations: str = "auto") -> Choice:
+def choose_cpu_dtype(
+    shapes: Shapes, kernel_activations: str = "auto", bf16_weights: bool = False
+) -> Choice:
     """The dtype ``--dtype auto`` resolves to on this CPU for a model whose decoder layer
     makes the matmuls ``shapes`` ((kind, N, K): q4_1, q8_0 or f32 weights), measured once per
-    CPU and cached. A CPU without native bf16 is not measured (torch's bf16 GEMM is emulated
-    there, 5-10x slower than the kernels at every shape); a measurement the machine's other
-    load disturbed is not trusted: the kernels this start, nothing cached."""
+    CPU and cached; with ``bf16_weights`` (a bf16 checkpoint's dense weights, where the
+    kernels have bf16 tiles) the kernels holding them in bf16 are a candidate too (chosen:
+    float32 with ``quantization`` "bf16"). A CPU without native bf16 is not measured (torch's
+    bf16 GEMM is emulated there, 5-10x slower than the kernels at every shape); a
+    measurement the machine's other load disturbed is not trusted: the kernels this start,
+    nothing cached."""
     from tinyserve.layers.linear import resolve_kernel_activations
     from tinyserve.worker.device import cpu_has_native_bf16
 
@@ -211,14 +237,14 @@ def choose_cpu_dtype(shapes: Shapes, kernel_activations: str = "auto") -> Choice
     path = cache_dir() / "calibration.json"
     shapes = tuple(tuple(s) for s in shapes)
     bf16_act = resolve_kernel_activations(kernel_activations) == "bfloat16"
-    key = _key(shapes, bf16_act)
+    key = _key(shapes, bf16_act) + ("|bf16-weights" if bf16_weights else "")
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
     entry = cache.get(key)
     if entry is None:
-        timings, seconds, share = _calibrate(shapes, bf16_act)
+        timings, seconds, share = _calibrate(shapes, bf16_act, bf16_weights)
         if timings is None:
             why = (
                 f"float32+kernels, not cached: other processes took {share:.0%} of the CPUs "
@@ -240,25 +266,38 @@ def choose_cpu_dtype(shapes: Shapes, kernel_activations: str = "auto") -> Choice
         why = f"measured in {entry['seconds']} s: {entry['why']}"
     else:
         why = f"cached calibration for this CPU: {entry['why']}"
-    dtype = torch.bfloat16 if entry["pick"] == "bfloat16" else torch.float32
-    return Choice(dtype, why, entry["timings_ms"])
+    dtype = torch.bfloat16 if entry["pick"] == TORCH_BF16 else torch.float32
+    quantization = "bf16" if entry["pick"] == BF16_KERNELS else None
+    return Choice(dtype, why, entry["timings_ms"], quantization)
 
 
 def resolve_engine_dtype(
-    dtype, device: torch.device, model, cpu_kernels: bool, quantization, kernel_activations="auto"
-):
-    """The engine's (and every tensor-parallel rank's) dtype: ``auto`` on a CPU with the
-    kernels is calibrated (logged with the reason), the kernels timed with the activations
-    the engine will give them; anything else as worker/device.py says."""
+    dtype, device: torch.device, model, cpu_kernels: bool, quantization, kernel_activations="auto",
+    bf16_weights: bool = True,
+) -> tuple[torch.dtype, str | None]:  # fmt: skip
+    """The engine's (and every tensor-parallel rank's) dtype and quantization: ``auto`` on a
+    CPU with the kernels is calibrated (logged with the reason), the kernels timed with the
+    activations the engine will give them, and a bf16 checkpoint's dense weights also held in
+    bf16 (``bf16_weights``: where the ranks can be told); anything else as worker/device.py
+    says, ``quantization`` as given."""
     from tinyserve.worker.device import resolve_dtype
 
     if dtype not in (None, "auto") or device.type != "cpu" or not cpu_kernels:
-        return resolve_dtype(dtype, device)
+        return resolve_dtype(dtype, device), quantization
     from tinyserve.kernels import gemm
-    from tinyserve.models.loader import layer_matmuls
+    from tinyserve.models.loader import checkpoint_dtype, layer_matmuls
 
     if not gemm.available():
-        return resolve_dtype(dtype, device)
-    choice = choose_cpu_dtype(layer_matmuls(model, quantization), kernel_activations)
-    logger.info("--dtype auto -> %s: %s", str(choice.dtype).replace("torch.", ""), choice.reason)
-    return choice.dtype
+        return resolve_dtype(dtype, device), quantization
+    shapes = layer_matmuls(model, quantization)
+    bf16_weights = (
+        bf16_weights and quantization in (None, "none") and gemm.bf16_available()
+        and all(kind == gemm.F32 for kind, _, _ in shapes)
+        and checkpoint_dtype(model) == torch.bfloat16
+    )  # fmt: skip
+    choice = choose_cpu_dtype(shapes, kernel_activations, bf16_weights)
+    took = str(choice.dtype).replace("torch.", "") + (
+        " + bf16 weights" if choice.quantization else ""
+    )
+    logger.info("--dtype auto -> %s: %s", took, choice.reason)
+    return choice.dtype, choice.quantization or quantization

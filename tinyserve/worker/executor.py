@@ -96,12 +96,14 @@ class Executor:
     def __init__(self, config: ExecutorConfig, loaded: tuple | None = None) -> None:
         load, self.parallel = config.load, config.parallel
         self.device = resolve_device(load.device)
-        self.dtype = resolve_engine_dtype(
+        # bf16 weights chosen by auto: one process only (the ranks are told the dtype alone)
+        self.dtype, quantization = resolve_engine_dtype(
             load.dtype, self.device, load.model, load.cpu_kernels, load.quantization,
-            load.kernel_activations,
+            load.kernel_activations, bf16_weights=not self.distributed,
         )  # fmt: skip
         # What every rank loads with: the resolved dtype, so the workers need not calibrate.
-        self.load = dataclasses.replace(load, dtype=str(self.dtype).replace("torch.", ""))
+        dtype = str(self.dtype).replace("torch.", "")
+        self.load = dataclasses.replace(load, dtype=dtype, quantization=quantization)
         self.t0 = time.monotonic()
         self.tp_driver = self._start_tensor_parallel(config.cache) if self.distributed else None
         tp = self.tp_driver.group if self.tp_driver else TPGroup(device=self.device)

@@ -1,0 +1,92 @@
+"""A dense checkpoint's weights in bf16 on the CPU kernels (``--quantization bf16``: gemm.c's
+kind 3, bf16 pairs read as they are by the vdpbf16ps tiles of gemm_bf16.h and the AMX tiles
+of gemm_amx.h): the float64 product of the bf16 activations and the bf16 weights to float32
+accumulation, the same bits per row whatever the row count and thread count (the tiles' one
+contract: batch invariance, which torch's bf16 GEMM does not keep), served only with bf16
+activations; through the loader every linear of a safetensors checkpoint takes it and frees
+its float32 copy."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tests.support.kernels import logits_gap, typed
+from tinyserve.kernels import build, gemm
+from tinyserve.layers.linear import LinearBase
+from tinyserve.models.loader import load_model
+
+ROWS = (1, 2, 3, 5, 7, 12, 13, 16, 17, 24, 25, 64, 129, 300)
+needs_kernel = pytest.mark.skipif(
+    not gemm.available(), reason="needs an x86 CPU with AVX2/FMA and a C compiler"
+)
+needs_bf16 = pytest.mark.skipif(
+    not gemm.bf16_available(), reason="needs a CPU with AVX512-BF16 (vdpbf16ps)"
+)
+
+
+def _case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(203, 320, generator=g) * 0.05  # 203 outputs: a tail group
+    x = torch.randn(300, 320, generator=g) * 3
+    x[7] = 0.0
+    want = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T
+    return w, x, want
+
+
+def _check(matmul, want: torch.Tensor, x: torch.Tensor) -> None:
+    full = matmul(x, 2)
+    assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(full[7], torch.zeros(want.shape[1]))
+    for rows in ROWS:
+        for threads in (1, 2):
+            assert torch.equal(matmul(x[:rows], threads), full[:rows]), (rows, threads)
+    assert torch.equal(matmul(x[150:161], 1), full[150:161])
+
+
+@needs_bf16
+def test_bf16_weights_equal_their_reference_and_are_batch_invariant():
+    w, x, want = _case()
+    pw = gemm.from_dense_bf16(w)
+    assert pw.kind == gemm.BF16 and torch.equal(pw.dequantize(), w.to(torch.bfloat16).float())
+    _check(lambda xs, t: gemm.matmul(xs, pw, num_threads=t, bf16=True), want, x)
+    with pytest.raises(ValueError, match="bf16 activations only"):
+        gemm.matmul(x, pw)
+
+
+@needs_kernel
+def test_bf16_weights_on_emulated_amx_tiles():
+    """The AMX path (B tiles read in place from the weight) in amx_tile.h's emulation, for
+    each group width this CPU builds: any CPU."""
+    w, x, want = _case()
+    pw = gemm.from_dense_bf16(w)
+    levels = ["avx2"] + [lv for lv in ("avx512_bf16", "avx512") if lv in build.usable_levels()][:1]
+    for level in levels:
+        lib = ctypes.CDLL(str(build.built("gemm", level, emulate_amx=True)))
+        kw = gemm.KernelWeight.of(pw, lib.gemm_group_width())
+
+        def matmul(xs, threads, lib=lib, kw=kw):
+            return gemm._run(typed(lib, "gemm"), "matmul", xs, kw, threads, None, gemm.BF16_ACT)
+
+        _check(matmul, want, x)
+
+
+@needs_bf16
+def test_quantization_bf16_serves_a_dense_checkpoint(tmp_path):
+    """Every linear (the LM head included) on bf16 weights; the logits within 5% of the
+    float32 model's range through prefill and decode (bf16 weights and activations: ~2^-8
+    each); the layers' float32 copies freed."""
+    from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
+
+    path = save_hf(build_hf(llama_config()), tmp_path / "llama")
+    fp32, _ = load_model(path, torch.float32, "cpu")
+    bf16, _ = load_model(path, torch.float32, "cpu", quantization="bf16")
+    layers = bf16.linear_layers()
+    assert {m.method.name for m in layers.values()} == {"kernel-bf16"}
+    assert all(m.weight.numel() == 0 for m in layers.values() if isinstance(m, LinearBase))
+    rel = logits_gap(fp32, bf16)
+    assert 0 < rel < 0.05, rel
+    with pytest.raises(ValueError, match="quantization: bf16 runs through the CPU kernels"):
+        load_model(path, torch.float32, "cpu", cpu_kernels=False, quantization="bf16")

@@ -6,7 +6,7 @@ holding a hyphen (``metadata.User`` was named ``metadata``)."""
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol_anthropic import MessagesRequest
@@ -27,6 +27,10 @@ CASES = [
     (MessagesRequest, {"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "a", "name": "f", "input": 5}]}]}, "messages[0].content[0].input"),
 ]  # fmt: skip
+
+
+class User(BaseModel):  # a model of the process's that is not a request's: not a branch
+    name: str
 
 
 @pytest.mark.parametrize("model, body, where", CASES)

@@ -86,14 +86,17 @@ _BRANCH_FORM = re.compile(r"[a-z][a-z-]*\[.*\]", re.S)
 
 
 def _model_names() -> set[str]:
-    """Every pydantic model class's name: a union of models names its branch so (our
-    tagged unions' tags are their classes' names too)."""
-    names, todo = set(), [BaseModel]
+    """Our request models' class names: a union of models names its branch so (our tagged
+    unions' tags are their classes' names too). Only tinyserve's: a process's other models
+    (an application's ``class User(BaseModel)``) must not hide a dict key ``User``."""
+    names, seen, todo = set(), set(), [BaseModel]
     while todo:
         for sub in todo.pop().__subclasses__():
-            if sub.__name__ not in names:
-                names.add(sub.__name__)
+            if sub not in seen:
+                seen.add(sub)
                 todo.append(sub)
+                if sub.__module__.startswith("tinyserve."):
+                    names.add(sub.__name__)
     return names
 
 

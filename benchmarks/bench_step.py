@@ -58,11 +58,18 @@ def _median_ms(run, iters: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def _shape(layer) -> tuple[int, int]:
+    """A linear's [out, in]: from its kernel's weight where it has one (the float copy of
+    an int8 / bf16 layer is freed at load)."""
+    kernel = getattr(layer.method, "kernel", None)
+    return tuple(kernel.shape) if kernel is not None else tuple(layer.weight.shape)
+
+
 def matmul_floor_ms(model, batch: int, iters: int, dtype: torch.dtype) -> float:
     """The bare torch matrix products of one step in ``dtype`` (activations in the same
     dtype), on random weights of the model's shapes: what a pure-PyTorch engine cannot
     go below."""
-    shapes = [tuple(layer.weight.shape) for layer in model.linear_layers().values()]
+    shapes = [_shape(layer) for layer in model.linear_layers().values()]
     weights = [torch.randn(*shape).to(dtype) * 0.02 for shape in shapes]
     xs = {k: torch.randn(batch, k).to(dtype) for _, k in shapes}
 
@@ -78,7 +85,7 @@ def kernel_floor_ms(model, batch: int, iters: int) -> float:
     kernel on the packed weights), as decode rows (so --decode-activations int8 applies),
     on activations in the model's dtype (what its forward gives them)."""
     layers = list(model.linear_layers().values())
-    xs = {k: torch.randn(batch, k, dtype=model.dtype) for k in (m.weight.shape[1] for m in layers)}
+    xs = {k: torch.randn(batch, k, dtype=model.dtype) for k in (_shape(m)[1] for m in layers)}
 
     def run():
         for m in layers:

@@ -15,7 +15,6 @@ import torch
 
 from tests.support.kernels import logits_gap, typed
 from tinyserve.kernels import build, gemm
-from tinyserve.layers.linear import LinearBase
 from tinyserve.models.loader import load_model
 
 ROWS = (1, 2, 3, 5, 7, 12, 13, 16, 17, 24, 25, 64, 129, 300)
@@ -74,19 +73,27 @@ def test_bf16_weights_on_emulated_amx_tiles():
 
 
 @needs_bf16
-def test_quantization_bf16_serves_a_dense_checkpoint(tmp_path):
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantization_bf16_serves_a_dense_checkpoint(tmp_path, tied):
     """Every linear (the LM head included) on bf16 weights; the logits within 5% of the
     float32 model's range through prefill and decode (bf16 weights and activations: ~2^-8
-    each); the layers' float32 copies freed."""
+    each); the layers' float32 copies freed (an untied head's too; a tied head's are the
+    embedding's rows), K and V cached in bf16 under "auto"."""
     from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
+    from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
 
-    path = save_hf(build_hf(llama_config()), tmp_path / "llama")
+    path = save_hf(build_hf(llama_config(tie_word_embeddings=tied)), tmp_path / "llama")
     fp32, _ = load_model(path, torch.float32, "cpu")
     bf16, _ = load_model(path, torch.float32, "cpu", quantization="bf16")
     layers = bf16.linear_layers()
     assert {m.method.name for m in layers.values()} == {"kernel-bf16"}
-    assert all(m.weight.numel() == 0 for m in layers.values() if isinstance(m, LinearBase))
+    assert all(m.weight.numel() == 0 for m in layers.values() if m is not bf16.model.embed_tokens)
+    assert bf16.model.embed_tokens.weight.numel() > 0
+    assert resolve_kv_cache_dtype("auto", bf16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", fp32) == torch.float32
     rel = logits_gap(fp32, bf16)
     assert 0 < rel < 0.05, rel
     with pytest.raises(ValueError, match="quantization: bf16 runs through the CPU kernels"):
         load_model(path, torch.float32, "cpu", cpu_kernels=False, quantization="bf16")
+    with pytest.raises(ValueError, match="kernel_activations: float32 cannot serve bf16"):
+        load_model(path, torch.float32, "cpu", quantization="bf16", kernel_activations="float32")

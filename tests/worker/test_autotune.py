@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -245,6 +246,18 @@ def test_a_bf16_checkpoint_may_be_held_in_bf16_on_the_kernels(
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     while engine.has_unfinished():
         engine.step()
+    assert engine.executor.kv_dtype == torch.bfloat16  # as torch's bf16 path cached them
+    # A float32 checkpoint is not offered it, even where its config.json says bfloat16 (the
+    # stored dtype is read from the safetensors header); nor with float32 activations asked.
+    claims = tmp_path / "claims"
+    shutil.copytree(tiny_llama_dir, claims)
+    cfg = json.loads((claims / "config.json").read_text())
+    (claims / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
     seen.clear()
-    LLMEngine(model=str(tiny_llama_dir), num_blocks=16, load_tokenizer=False)
-    assert seen == [["bfloat16", "float32+kernels"]]
+    LLMEngine(model=str(claims), num_blocks=16, load_tokenizer=False)
+    LLMEngine(model=str(path), num_blocks=16, load_tokenizer=False, kernel_activations="float32")
+    assert seen == [["bfloat16", "float32+kernels"]] * 2
+    # An asked-for quantization runs on the kernels, in float32, nothing measured.
+    seen.clear()
+    e = LLMEngine(model=str(path), num_blocks=16, load_tokenizer=False, quantization="int8")
+    assert seen == [] and e.executor.dtype == torch.float32

@@ -286,8 +286,9 @@ def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
         choices=["auto", "bfloat16", "float32"],
         help="CPU kernels on a GGUF's Q4_1/Q8_0 blocks: bfloat16 rounds activations to bf16 "
         "and multiplies on AVX512-BF16's dot-product instruction (2x faster prefill matmuls; "
-        "still batch-invariant); float32 keeps the logits those of the float reference; "
-        "auto (default) picks bfloat16 where the CPU has AVX512-BF16",
+        "still batch-invariant); float32 keeps the logits those of the float reference (and "
+        "keeps --dtype auto from holding a bf16 checkpoint's weights in bf16); auto "
+        "(default) picks bfloat16 where the CPU has AVX512-BF16",
     )
     parser.add_argument(
         "--fused-step",

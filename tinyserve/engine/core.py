@@ -80,8 +80,8 @@ class EngineCore:
         # table per layer group over one pool, the windowed groups' released as for those.
         self.kv_cache_manager = _kv_cache_manager(executor, config.cache)
         spec = config.speculative
-        # On torch's attention (a dense checkpoint where --dtype auto measured torch's bf16 the
-        # faster, as on AMX CPUs) decode rows and a verified run take different kernels (0.016
+        # On torch's attention (a dense checkpoint under --dtype bfloat16, or where --dtype auto
+        # measured torch's bf16 the fastest) decode rows and a verified run take different kernels (0.016
         # apart in a logprob there): speculation's default ("auto") stays off, so that greedy
         # answers cannot change; an explicit --speculative-config still turns it on.
         if spec is not None and spec.by_default and executor.attention_backend == "torch":

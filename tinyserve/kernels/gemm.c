@@ -359,7 +359,7 @@ int gemm(int flags, const void *qs, const float *d, const float *m, const float 
     // Scratch: sx [M, nb] | bufs [threads, 2K x GW] | tail [M, GW], each 64-byte aligned.
     const size_t n_sx = kind == 0 ? ((size_t)M * nb + 15) / 16 * 16 : 0;
     const size_t scratch = 2 * K * GW;  // a thread's
-    const size_t n_buf = kind != 2 && M > FEW_ROWS ? (size_t)nthreads * scratch : 0;
+    const size_t n_buf = kind < 2 && M > FEW_ROWS ? (size_t)nthreads * scratch : 0;  // bf16: in place
     const size_t n_xb = bf16 ? ((size_t)XB_ROWS(M) * K / 2 + 15) / 16 * 16 : 0;  // | xb
     float *base = (float *)aligned_alloc(64, (n_sx + n_buf + (size_t)M * 16 + n_xb) * sizeof(float));
     if (base == NULL) return -1;

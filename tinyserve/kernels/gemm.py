@@ -195,8 +195,9 @@ class KernelWeight:
         if w.kind == Q4_1:  # [N, K/32, 16] -> [G, K/32, 16, W]
             qs = _grouped(w.qs, n, gw).permute(0, 2, 3, 1)
         elif w.kind == BF16:  # [N, K] -> [G, K/32, 16, W] words: weight p | weight p + 16 << 16
-            bits = w.qs.view(torch.int16).to(torch.int32).reshape(n, k // 32, 2, 16) & 0xFFFF
-            words = bits[:, :, 0] | (bits[:, :, 1] << 16)
+            # little-endian: weight p at the lower address is the word's low half
+            halves = w.qs.view(torch.int16).reshape(n, k // 32, 2, 16).transpose(2, 3)
+            words = halves.contiguous().view(torch.int32)[..., 0]  # [N, K/32, 16]
             qs = _grouped(words, n, gw).permute(0, 2, 3, 1)
         elif w.kind == Q8_0:  # [N, K] -> [G, K/32, 32, W]
             qs = _grouped(w.qs.reshape(n, k // 32, 32), n, gw).permute(0, 2, 3, 1)

@@ -11,7 +11,7 @@ shard math and one :class:`LinearMethod` fixed at load time.
 
 Methods: :class:`DenseMethod` (torch's GEMM on the float weight, any dtype/device) and
 :class:`PackedMethod` (tinyserve/kernels/gemm.c on a GGUF's Q4_1/Q8_0 blocks, int8 with
-per-channel scales, or the float32 weight itself). The packed method serves every row count
+per-channel scales, a dense weight in bf16, or the float32 weight itself). The packed method serves every row count
 with one summation order per output, so a token's numbers do not depend on its batch.
 
 Every ``forward`` takes ``num_decode``: the step's first rows that are generated (decode)
@@ -28,7 +28,8 @@ the rows the float kernel serves to bf16 and multiplies them with the exact weig
 vdpbf16ps (kernels/gemm_bf16.h): 2x the float kernel on prefill-sized row counts, one
 summation order for every row count (still batch-invariant). The error is one bf16 rounding
 of each activation (relative 2^-9), far under the 4-bit weights' own; ``float32`` keeps the
-logits those of the float reference.
+logits those of the float reference. bf16 weights (``--quantization bf16``) are served with
+bf16 activations only.
 """
 
 from __future__ import annotations
@@ -164,6 +165,11 @@ def choose_linear_methods(
             f"decode_activations {decode_activations!r}: use one of {', '.join(DECODE_ACTIVATIONS)}"
         )
     kernel_activations = resolve_kernel_activations(kernel_activations)
+    if quantization == "bf16" and kernel_activations == "float32":
+        raise ValueError(
+            "kernel_activations: float32 cannot serve bf16 weights (--quantization bf16 runs "
+            "the matmuls' activations in bf16)"
+        )
     int8_decode = decode_activations == "int8" and gemm.q8_available()
     bf16 = kernel_activations == "bfloat16"
     counts: dict[str, int] = {}
@@ -190,8 +196,9 @@ def choose_linear_methods(
 def _drop_float_copy(layer: nn.Module) -> None:
     """A layer whose kernel holds its own copy of a dense weight (bf16, int8) frees the
     float32 one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5
-    of bf16). Not the embedding, whose rows the lookup reads (a tied head)."""
-    if isinstance(layer, LinearBase):
+    of bf16): the linears and an untied head, not the embedding, whose rows the lookup reads
+    (a tied head)."""
+    if isinstance(layer, LinearBase | ParallelLMHead):
         layer.weight = _param(0, dtype=layer.weight.dtype)
 
 

@@ -174,19 +174,21 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
 
 
 def checkpoint_dtype(model) -> torch.dtype | None:
-    """The dtype a safetensors checkpoint says its weights are stored in (config.json's
-    ``torch_dtype``, ``dtype`` in newer transformers), or None (a GGUF, or not said)."""
+    """The one dtype a safetensors checkpoint stores its 2-D weights in (read from the first
+    file's header, not config.json's say-so), or None (a GGUF, mixed, unreadable)."""
+    from safetensors import safe_open
+
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
-    if source.kind != "safetensors":
-        return None
+    files = sorted(source.path.glob("*.safetensors")) if source.kind == "safetensors" else []
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     try:
-        cfg = json.loads((source.path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        with safe_open(str(files[0]), "pt") as f:
+            kinds = {
+                f.get_slice(k).get_dtype() for k in f.keys() if len(f.get_slice(k).get_shape()) == 2
+            }
+    except (IndexError, OSError, ValueError):
         return None
-    name = cfg.get("torch_dtype") or cfg.get("dtype")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
-        name
-    )
+    return names.get(kinds.pop()) if len(kinds) == 1 else None
 
 
 def layer_matmuls(model, quantization: str | None = None) -> tuple[tuple[str, int, int], ...]:

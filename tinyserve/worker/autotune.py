@@ -289,9 +289,17 @@ def resolve_engine_dtype(
 
     if not gemm.available():
         return resolve_dtype(dtype, device), quantization
+    if quantization not in (None, "none"):  # int8 / bf16 weights run on the kernels only
+        logger.info(
+            "--dtype auto -> float32: --quantization %s runs on the CPU kernels", quantization
+        )
+        return torch.float32, quantization
+    from tinyserve.layers.linear import resolve_kernel_activations
+
     shapes = layer_matmuls(model, quantization)
     bf16_weights = (
-        bf16_weights and quantization in (None, "none") and gemm.bf16_available()
+        bf16_weights and quantization is None and gemm.bf16_available()
+        and resolve_kernel_activations(kernel_activations) == "bfloat16"
         and all(kind == gemm.F32 for kind, _, _ in shapes)
         and checkpoint_dtype(model) == torch.bfloat16
     )  # fmt: skip

@@ -18,13 +18,13 @@ def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
     """--kv-cache-dtype: "auto" is the model's dtype, or bfloat16 where attention runs on AMX
     tiles (kernels/attention_amx.h rounds K and V to bf16 as it loads them, so a bf16 cache
     gives the same outputs from half the bytes: a decode step's attention 1.3-1.4x faster at
-    8-32 rows); "bfloat16" needs either a bf16 model or the CPU kernels' attention
+    8-32 rows) or the kernels hold the weights in bf16 (``bf16_weights``); "bfloat16" needs either a bf16 model or the CPU kernels' attention
     (kernels/attention.c reads a bf16 cache; the torch path attends in the model's dtype)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
         )
-    if name == "auto" and attention_tiles(model):
+    if name == "auto" and (attention_tiles(model) or bf16_weights(model)):
         return torch.bfloat16
     if name == "float32" and model.dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype='float32' needs a float32 model, not {model.dtype}")
@@ -37,6 +37,16 @@ def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
             f"{model.dtype}: use dtype='bfloat16' for a bf16 cache"
         )
     return torch.bfloat16
+
+
+def bf16_weights(model) -> bool:
+    """The kernels hold the model's weights in bf16 (``--quantization bf16``, or ``--dtype
+    auto`` on a bf16 checkpoint): "auto" then caches K and V in bf16 too, as torch's bf16
+    path did (the kernels' attention reads them; twice the tokens of a float32 cache)."""
+    kernel = getattr(getattr(model, "lm_head_module", None), "method", None)
+    return getattr(getattr(kernel, "kernel", None), "kind", None) == "bf16" and bool(
+        model.attention_method.block_table_inputs
+    )
 
 
 def attention_tiles(model) -> bool:

@@ -261,3 +261,27 @@ def test_a_bf16_checkpoint_may_be_held_in_bf16_on_the_kernels(
     seen.clear()
     e = LLMEngine(model=str(path), num_blocks=16, load_tokenizer=False, quantization="int8")
     assert seen == [] and e.executor.dtype == torch.float32
+
+
+def test_an_input_width_the_kernels_cannot_take_is_not_measured(
+    tmp_path, monkeypatch, caplog, measuring
+):
+    """A layer whose input width is not a multiple of 32 (here the MLP's 112) has no kernel
+    weight to time: ``--dtype auto`` raised AttributeError at start-up; now float32, the
+    kernels on the layers they take, nothing measured — and ``--quantization`` says which
+    layers it does not apply to."""
+    from tinyserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "_sweep", lambda c: pytest.fail("measured"))
+    path = save_hf(
+        build_hf(llama_config(intermediate_size=112)).to(torch.bfloat16), tmp_path / "odd"
+    )
+    with caplog.at_level(logging.INFO):
+        engine = LLMEngine(model=str(path), num_blocks=16, load_tokenizer=False)
+        assert engine.executor.dtype == torch.float32
+        LLMEngine(model=str(path), num_blocks=16, load_tokenizer=False, quantization="int8")
+    logs = [r.getMessage() for r in caplog.records]
+    assert any("not a multiple of 32" in m and "not measured" in m for m in logs)
+    layers = engine.model_config.num_hidden_layers  # each one's down_proj
+    assert any(f"--quantization int8 does not apply to {layers} of" in m for m in logs), logs

@@ -80,14 +80,16 @@ class EngineCore:
         # table per layer group over one pool, the windowed groups' released as for those.
         self.kv_cache_manager = _kv_cache_manager(executor, config.cache)
         spec = config.speculative
-        # On torch's attention (a dense checkpoint under --dtype bfloat16, or where --dtype auto
-        # measured torch's bf16 the fastest) decode rows and a verified run take different kernels (0.016
-        # apart in a logprob there): speculation's default ("auto") stays off, so that greedy
-        # answers cannot change; an explicit --speculative-config still turns it on.
-        if spec is not None and spec.by_default and executor.attention_backend == "torch":
-            logger.info("speculative decoding off by default: attention runs on torch here, "
-                        "where a verified draft's logits may differ from a decoded token's; "
-                        "--speculative-config turns it on")  # fmt: skip
+        # On torch's attention (a dense checkpoint under --dtype bfloat16, or where --dtype
+        # auto measured torch's bf16 the fastest) decode rows and a verified run take
+        # different kernels (0.016 apart in a logprob there), and torch's GEMM (a layer the
+        # kernels cannot take) blocks by the row count: speculation's default ("auto") stays
+        # off, so that greedy answers cannot change; --speculative-config still turns it on.
+        why = executor.torch_numerics if spec is not None and spec.by_default else None
+        if why is not None:
+            logger.info("speculative decoding off by default: %s, where a verified draft's "
+                        "logits may differ from a decoded token's; --speculative-config turns "
+                        "it on", why)  # fmt: skip
             spec = None
         # With speculation off only requests with a prediction draft (theirs).
         self.proposer = NgramProposer(spec or SpeculativeConfig(), ngram=spec is not None,

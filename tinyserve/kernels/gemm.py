@@ -56,6 +56,9 @@ def library() -> ctypes.CDLL | None:
     return None if lib is None else bind_score(lib)
 
 
+SCORE_MAX_K = 32  # gemm_score.h's (logprob.h's LOGPROB_MAX_K)
+
+
 def bind_score(lib: ctypes.CDLL) -> ctypes.CDLL:
     """A gemm.c build's ``gemm_score`` typed (:func:`score_rows`)."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -203,7 +206,9 @@ class KernelWeight:
             qs = _grouped(w.qs.reshape(n, k // 32, 32), n, gw).permute(0, 2, 3, 1)
         else:  # [N, K] -> [G, K, W]
             qs = _grouped(w.qs, n, gw).permute(0, 2, 1)
-        return KernelWeight(w.kind, qs.contiguous(), scales(w.d), scales(w.m), w.shape)
+        qs = qs.contiguous()  # bf16 pairs are read in place by aligned loads (gemm_bf16.h)
+        assert w.kind != BF16 or qs.data_ptr() % 64 == 0, "torch aligns CPU tensors to 64 B"
+        return KernelWeight(w.kind, qs, scales(w.d), scales(w.m), w.shape)
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -289,10 +294,10 @@ def _run(fn, what: str, x: torch.Tensor, w, num_threads, out, flags: int = 0) ->
         return y
     rc = fn(_KIND_IDS[w.kind] | flags, _ptr(w.qs), _ptr(w.d), _ptr(w.m), x.data_ptr(), k,
             y.data_ptr(), n, n, k, m_rows, num_threads or kernel_threads())  # fmt: skip
-    if rc == -2 and w.kind == BF16 and not flags & BF16_ACT:
-        raise ValueError(f"{what}: bf16 weights are served with bf16 activations only")
     if rc == -2:
-        raise ValueError(f"{what}: no bf16-activation kernel for {w.kind} weights on this CPU")
+        only = w.kind == BF16 and not flags & BF16_ACT
+        why = "served with bf16 activations only" if only else "no bf16-activation kernel here"
+        raise ValueError(f"{what}: {w.kind} weights: {why}")
     if rc:
         raise MemoryError(f"{what}: no scratch memory for {m_rows} x {k} activations")
     return y
@@ -314,9 +319,6 @@ def matmul(
     return _run(lib.gemm, "matmul", x, kw, num_threads, out, BF16_ACT if bf16 else 0)
 
 
-SCORE_MAX_K = 32  # gemm_score.h's (logprob.h's LOGPROB_MAX_K)
-
-
 def score_rows(
     x: torch.Tensor,
     w: PackedWeight | KernelWeight,
@@ -331,30 +333,27 @@ def score_rows(
     and log-softmax values (k <= 32; ties: the lower id first), without the logits ever
     written out (gemm_score.h). -> (logprob [M], rank [M] int32, top ids [M, k] int32, top
     logprobs [M, k]): what kernels.ops.logprob_rows gives on ``matmul``'s output. ``lib``:
-    another build of gemm.c (bound by :func:`bind_score`; tests), ``w`` then a KernelWeight
-    of its group width."""
+    another build (:func:`bind_score`; tests), ``w`` then a KernelWeight of its width."""
     lib = lib or library()
     assert lib is not None, "CPU kernels are not available"
     kw = w.kernel if isinstance(w, PackedWeight) else w
     x, targets = x.contiguous(), targets.to(torch.int64).contiguous()
     m_rows, kdim = x.shape
     n = kw.shape[0]
-    shapes = f"x {tuple(x.shape)} {x.dtype}, targets {tuple(targets.shape)}, weight {kw.shape}"
     if kdim != kw.shape[1] or x.dtype != torch.float32 or tuple(targets.shape) != (m_rows,):
-        raise ValueError(f"score_rows: {shapes}")
+        raise ValueError(f"score_rows: x {tuple(x.shape)} {x.dtype}, targets "
+                         f"{tuple(targets.shape)}, weight {kw.shape}")  # fmt: skip
     in_range = m_rows == 0 or 0 <= int(targets.min()) <= int(targets.max()) < n
     if not 0 <= k <= min(SCORE_MAX_K, n) or not in_range:
         raise ValueError(
             f"score_rows: k {k} must be in [0, {min(SCORE_MAX_K, n)}], targets in [0, {n})"
         )
-    lp = torch.empty(m_rows, dtype=torch.float32)
-    rank = torch.empty(m_rows, dtype=torch.int32)
-    top_ids = torch.empty(m_rows, k, dtype=torch.int32)
-    top_lp = torch.empty(m_rows, k, dtype=torch.float32)
+    lp, rank = torch.empty(m_rows), torch.empty(m_rows, dtype=torch.int32)  # float32 / int32
+    top_ids, top_lp = torch.empty(m_rows, k, dtype=torch.int32), torch.empty(m_rows, k)
     flags = _KIND_IDS[kw.kind] | (BF16_ACT if bf16 else 0)
+    outs = (lp.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr())
     rc = lib.gemm_score(flags, _ptr(kw.qs), _ptr(kw.d), _ptr(kw.m), x.data_ptr(), kdim, n, kdim,
-                        m_rows, targets.data_ptr(), k, lp.data_ptr(), rank.data_ptr(),
-                        top_ids.data_ptr(), top_lp.data_ptr(), num_threads or kernel_threads())  # fmt: skip
+                        m_rows, targets.data_ptr(), k, *outs, num_threads or kernel_threads())  # fmt: skip
     if rc == -2:
         raise ValueError(f"score_rows: no bf16-activation kernel for {kw.kind} weights on this CPU")
     if rc == -1:

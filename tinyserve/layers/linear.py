@@ -11,8 +11,9 @@ shard math and one :class:`LinearMethod` fixed at load time.
 
 Methods: :class:`DenseMethod` (torch's GEMM on the float weight, any dtype/device) and
 :class:`PackedMethod` (tinyserve/kernels/gemm.c on a GGUF's Q4_1/Q8_0 blocks, int8 with
-per-channel scales, a dense weight in bf16, or the float32 weight itself). The packed method serves every row count
-with one summation order per output, so a token's numbers do not depend on its batch.
+per-channel scales, a dense weight in bf16, or the float32 weight itself). The packed method
+serves every row count with one summation order per output, so a token's numbers do not
+depend on its batch.
 
 Every ``forward`` takes ``num_decode``: the step's first rows that are generated (decode)
 tokens (the model runner orders them first). With ``--decode-activations int8`` on a GGUF's

@@ -142,11 +142,13 @@ def load_model(
         kernel_activations,
     )  # fmt: skip
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
-    _report_methods(net, counts, decode_activations, kernel_activations)
+    _report_methods(net, counts, decode_activations, kernel_activations, quantization)
     return net, source
 
 
-def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel_act: str):
+def _report_methods(
+    net, counts: dict[str, int], decode_activations: str, kernel_act: str, quantization=None
+):
     """Log each layer's method, the kernels' activations as the methods took them (and warn
     about an activation flag that applies nowhere)."""
     layers = net.linear_layers().values()
@@ -157,6 +159,13 @@ def _report_methods(net, counts: dict[str, int], decode_activations: str, kernel
             "--decode-activations int8 has no effect here: it needs a GGUF's Q4_1/Q8_0 blocks "
             "on the CPU kernels (float32, tensor parallel size 1)"
         )
+    dense = sum(1 for m in layers if not hasattr(m.method, "kernel"))
+    if quantization in ("int8", "bf16") and dense:
+        logger.warning(
+            "--quantization %s does not apply to %d of %d linear layers: the kernels need an "
+            "input width that is a multiple of 32; they run on torch's GEMM in float32",
+            quantization, dense, len(layers),
+        )  # fmt: skip
     taken = "bfloat16" if any(getattr(m.method, "bf16", False) for m in layers) else "float32"
     if taken == "bfloat16":
         from tinyserve.kernels.gemm import bf16_engine

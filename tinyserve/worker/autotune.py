@@ -289,6 +289,10 @@ def resolve_engine_dtype(
 
     if not gemm.available():
         return resolve_dtype(dtype, device), quantization
+    if any(k % 32 for _, _, k in layer_matmuls(model, quantization)):  # (gemm.from_dense)
+        logger.info("--dtype auto -> float32: an input width is not a multiple of 32, so "
+                    "the kernels take only the layers they can; not measured")  # fmt: skip
+        return torch.float32, quantization
     if quantization not in (None, "none"):  # int8 / bf16 weights run on the kernels only
         logger.info(
             "--dtype auto -> float32: --quantization %s runs on the CPU kernels", quantization

@@ -203,6 +203,17 @@ class Executor:
         """The model's attention method: "kernel", "triton" or "torch"."""
         return self.runner.model.attention_backend
 
+    @property
+    def torch_numerics(self) -> str | None:
+        """Why a token's logits may depend on its batch on this CPU, or None: attention on
+        torch, or a linear layer on torch's GEMM (one the kernels cannot take: an input
+        width not a multiple of 32). Not asked on a GPU."""
+        if self.attention_backend == "torch":
+            return "attention runs on torch here"
+        dense = [n for n, m in self.runner.model.linear_layers().items()
+                 if self.device.type == "cpu" and not hasattr(m.method, "kernel")]  # fmt: skip
+        return f"{len(dense)} linear layers run on torch's GEMM here" if dense else None
+
     def describe(self) -> str:
         """The start-up log line's model part."""
         return (

@@ -18,8 +18,9 @@ def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
     """--kv-cache-dtype: "auto" is the model's dtype, or bfloat16 where attention runs on AMX
     tiles (kernels/attention_amx.h rounds K and V to bf16 as it loads them, so a bf16 cache
     gives the same outputs from half the bytes: a decode step's attention 1.3-1.4x faster at
-    8-32 rows) or the kernels hold the weights in bf16 (``bf16_weights``); "bfloat16" needs either a bf16 model or the CPU kernels' attention
-    (kernels/attention.c reads a bf16 cache; the torch path attends in the model's dtype)."""
+    8-32 rows) or the kernels hold the weights in bf16 (``bf16_weights``); "bfloat16" needs
+    either a bf16 model or the CPU kernels' attention (kernels/attention.c reads a bf16
+    cache; the torch path attends in the model's dtype)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"

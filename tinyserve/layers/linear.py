@@ -194,6 +194,12 @@ def choose_linear_methods(
     return counts
 
 
+def on_torch(layer: nn.Module) -> bool:
+    """The layer multiplies through torch's GEMM (DenseMethod), not the kernels: blockings
+    that follow the row count, so its outputs may depend on the batch."""
+    return not isinstance(layer.method, PackedMethod)
+
+
 def _drop_float_copy(layer: nn.Module) -> None:
     """A layer whose kernel holds its own copy of a dense weight (bf16, int8) frees the
     float32 one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5

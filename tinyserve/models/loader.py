@@ -150,7 +150,9 @@ def _report_methods(
     net, counts: dict[str, int], decode_activations: str, kernel_act: str, quantization=None
 ):
     """Log each layer's method, the kernels' activations as the methods took them (and warn
-    about an activation flag that applies nowhere)."""
+    about an activation flag that applies nowhere, or a quantization that misses layers)."""
+    from tinyserve.layers.linear import QUANTIZATIONS, on_torch
+
     layers = net.linear_layers().values()
     if decode_activations == "int8" and not any(
         getattr(m.method, "int8_decode", False) for m in layers
@@ -159,8 +161,8 @@ def _report_methods(
             "--decode-activations int8 has no effect here: it needs a GGUF's Q4_1/Q8_0 blocks "
             "on the CPU kernels (float32, tensor parallel size 1)"
         )
-    dense = sum(1 for m in layers if not hasattr(m.method, "kernel"))
-    if quantization in ("int8", "bf16") and dense:
+    dense = sum(map(on_torch, layers))
+    if quantization in QUANTIZATIONS and dense:
         logger.warning(
             "--quantization %s does not apply to %d of %d linear layers: the kernels need an "
             "input width that is a multiple of 32; they run on torch's GEMM in float32",
@@ -192,9 +194,8 @@ def checkpoint_dtype(model) -> torch.dtype | None:
     names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     try:
         with safe_open(str(files[0]), "pt") as f:
-            kinds = {
-                f.get_slice(k).get_dtype() for k in f.keys() if len(f.get_slice(k).get_shape()) == 2
-            }
+            tensors = [f.get_slice(k) for k in f.keys()]
+            kinds = {t.get_dtype() for t in tensors if len(t.get_shape()) == 2}
     except (IndexError, OSError, ValueError):
         return None
     return names.get(kinds.pop()) if len(kinds) == 1 else None

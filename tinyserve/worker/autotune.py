@@ -289,7 +289,8 @@ def resolve_engine_dtype(
 
     if not gemm.available():
         return resolve_dtype(dtype, device), quantization
-    if any(k % 32 for _, _, k in layer_matmuls(model, quantization)):  # (gemm.from_dense)
+    shapes = layer_matmuls(model, quantization)
+    if any(k % 32 for _, _, k in shapes):  # no kernel weight (gemm.from_dense) to time
         logger.info("--dtype auto -> float32: an input width is not a multiple of 32, so "
                     "the kernels take only the layers they can; not measured")  # fmt: skip
         return torch.float32, quantization
@@ -300,7 +301,6 @@ def resolve_engine_dtype(
         return torch.float32, quantization
     from tinyserve.layers.linear import resolve_kernel_activations
 
-    shapes = layer_matmuls(model, quantization)
     bf16_weights = (
         bf16_weights and quantization is None and gemm.bf16_available()
         and resolve_kernel_activations(kernel_activations) == "bfloat16"

@@ -26,6 +26,7 @@ from tinyserve.config import (
     window_live_blocks,
 )
 from tinyserve.distributed.parallel_state import TPGroup, check_tp_divisible
+from tinyserve.layers.linear import on_torch
 from tinyserve.models.loader import (
     load_model_config,
     load_shard,
@@ -210,8 +211,8 @@ class Executor:
         width not a multiple of 32). Not asked on a GPU."""
         if self.attention_backend == "torch":
             return "attention runs on torch here"
-        dense = [n for n, m in self.runner.model.linear_layers().items()
-                 if self.device.type == "cpu" and not hasattr(m.method, "kernel")]  # fmt: skip
+        layers = self.runner.model.linear_layers().values()
+        dense = [m for m in layers if self.device.type == "cpu" and on_torch(m)]
         return f"{len(dense)} linear layers run on torch's GEMM here" if dense else None
 
     def describe(self) -> str:

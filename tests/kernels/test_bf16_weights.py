@@ -77,8 +77,8 @@ def test_bf16_weights_on_emulated_amx_tiles():
 def test_quantization_bf16_serves_a_dense_checkpoint(tmp_path, tied):
     """Every linear (the LM head included) on bf16 weights; the logits within 5% of the
     float32 model's range through prefill and decode (bf16 weights and activations: ~2^-8
-    each); the layers' float32 copies freed (an untied head's too; a tied head's are the
-    embedding's rows), K and V cached in bf16 under "auto"."""
+    each); the layers' float32 copies freed (an untied head's too) and the embedding's table
+    held in bf16, K and V cached in bf16 under "auto"."""
     from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
     from tinyserve.worker.kv_cache import resolve_kv_cache_dtype
 
@@ -88,7 +88,9 @@ def test_quantization_bf16_serves_a_dense_checkpoint(tmp_path, tied):
     layers = bf16.linear_layers()
     assert {m.method.name for m in layers.values()} == {"kernel-bf16"}
     assert all(m.weight.numel() == 0 for m in layers.values() if m is not bf16.model.embed_tokens)
-    assert bf16.model.embed_tokens.weight.numel() > 0
+    table = bf16.model.embed_tokens.weight  # the lookup's rows, kept in bf16 (exact here)
+    assert table.dtype == torch.bfloat16 and table.numel() > 0
+    assert torch.equal(table.float(), fp32.model.embed_tokens.weight.to(torch.bfloat16).float())
     assert resolve_kv_cache_dtype("auto", bf16) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", fp32) == torch.float32
     rel = logits_gap(fp32, bf16)

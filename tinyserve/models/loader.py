@@ -141,6 +141,8 @@ def load_model(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
     )  # fmt: skip
+    if use_kernels and quantization == "bf16":
+        net.model.embed_tokens.hold_bf16()  # (a tied head is the kernel's own bf16 copy)
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
     _report_methods(net, counts, decode_activations, kernel_activations, quantization)
     return net, source

@@ -76,6 +76,13 @@ DECODE_ACTIVATIONS = ("int8", "float32")
 KERNEL_ACTIVATIONS = ("float32", "bfloat16")  # or "auto": resolve_kernel_activations
 
 
+def bf16_activations(kind: str, asked: bool) -> bool:
+    """Whether gemm.c multiplies a weight of ``kind`` with activations rounded to bf16: a
+    GGUF's blocks where ``asked`` (--kernel-activations), bf16 weights always (the only way
+    gemm_bf16.h serves them), float32 weights never."""
+    return kind == gemm.BF16 or (asked and kind in (gemm.Q4_1, gemm.Q8_0))
+
+
 class PackedMethod(LinearMethod):
     """The CPU kernel on a packed weight (float32 activations in and out). With
     ``int8_decode`` (GGUF blocks only), decode rows take the int8-activation kernel; with
@@ -84,8 +91,7 @@ class PackedMethod(LinearMethod):
     def __init__(self, packed: PackedWeight, int8_decode: bool = False, bf16: bool = False):
         blocks = packed.kind in (gemm.Q4_1, gemm.Q8_0)
         self.int8_decode = int8_decode and blocks
-        # bf16 weights are served with bf16 activations only (gemm_bf16.h)
-        self.bf16 = packed.kind == gemm.BF16 or (bf16 and blocks and gemm.bf16_available())
+        self.bf16 = bf16_activations(packed.kind, bf16 and gemm.bf16_available())
         self.kernel = packed.kernel  # gemm.c's layout
         # The checkpoint's layout only where qgemm.c reads it (int8 decode rows): otherwise
         # it is dropped with the loader's copy, so the blocks are held once.

@@ -125,10 +125,10 @@ def _measure(
     bases = [torch.randn(n, k, generator=gen) * 0.02 for _, n, k in shapes]
     candidates = {}  # name -> (matmul, the layer's weights and their copies, dtype)
     if gemm.available():
-        # Block weights through the bf16-activation tiles where the engine will use them;
-        # bf16 weights always.
-        def kernel_matmul(x, w):
-            return gemm.matmul(x, w, bf16=w.kind == gemm.BF16 or bf16_act and w.kind != gemm.F32)
+        from tinyserve.layers.linear import bf16_activations
+
+        def kernel_matmul(x, w):  # the activations the engine will give each weight kind
+            return gemm.matmul(x, w, bf16=bf16_activations(w.kind, bf16_act))
 
         kinds = [kind for kind, _, _ in shapes]
         candidates[KERNELS] = (kernel_matmul, _kernel_copies(kinds, bases), torch.float32)

@@ -211,9 +211,10 @@ class Executor:
         width not a multiple of 32). Not asked on a GPU."""
         if self.attention_backend == "torch":
             return "attention runs on torch here"
-        layers = self.runner.model.linear_layers().values()
-        dense = [m for m in layers if self.device.type == "cpu" and on_torch(m)]
-        return f"{len(dense)} linear layers run on torch's GEMM here" if dense else None
+        if self.device.type != "cpu":
+            return None
+        dense = sum(map(on_torch, self.runner.model.linear_layers().values()))
+        return f"{dense} linear layers run on torch's GEMM here" if dense else None
 
     def describe(self) -> str:
         """The start-up log line's model part."""

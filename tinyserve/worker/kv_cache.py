@@ -44,8 +44,10 @@ def bf16_weights(model) -> bool:
     """The kernels hold the model's weights in bf16 (``--quantization bf16``, or ``--dtype
     auto`` on a bf16 checkpoint): "auto" then caches K and V in bf16 too, as torch's bf16
     path did (the kernels' attention reads them; twice the tokens of a float32 cache)."""
+    from tinyserve.kernels.gemm import BF16
+
     kernel = getattr(getattr(model, "lm_head_module", None), "method", None)
-    return getattr(getattr(kernel, "kernel", None), "kind", None) == "bf16" and bool(
+    return getattr(getattr(kernel, "kernel", None), "kind", None) == BF16 and bool(
         model.attention_method.block_table_inputs
     )
 

@@ -56,12 +56,13 @@ def test_greedy_with_a_bf16_cache_follows_the_float32_one(smol_path):
 
 @needs_kernels
 def test_auto_is_a_bf16_cache_exactly_where_attention_runs_on_tiles(smol_path):
-    """On AMX the tiles round K and V to bf16 as they load them: "auto" stores them so (half
-    the bytes), and a float32 cache gives the very same tokens; elsewhere "auto" is float32."""
+    """Where attention computes bf16 products (AMX tiles, or AVX-512 BF16 dot products) it
+    rounds K and V to bf16 as it loads them: "auto" stores them so (half the bytes), and a
+    float32 cache gives the very same tokens; elsewhere "auto" is float32."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [(str(i), random_prompt(30, seed=i, vocab=49152), params) for i in range(3)]
     auto = build_engine(model=smol_path, num_blocks=64, load_tokenizer=False)
-    tiles = attention_kernel.uses_tiles(64) and auto.executor.model.attention_method.tiles
+    tiles = attention_kernel.uses_bf16_products(64) and auto.executor.model.attention_method.tiles
     assert auto.executor.kv_dtype == (torch.bfloat16 if tiles else torch.float32)
     if tiles:
         f32 = build_engine(model=smol_path, num_blocks=64, load_tokenizer=False,

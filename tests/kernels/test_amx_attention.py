@@ -13,6 +13,7 @@ import ctypes
 import pytest
 import torch
 
+from tests.support.attention import assert_rows_alone, attend, tile_reference
 from tinyserve.kernels import attention as attention_kernel
 from tinyserve.kernels import build
 from tinyserve.layers.attention import reference_paged_attention
@@ -28,42 +29,6 @@ def emulated() -> dict[str, ctypes.CDLL]:
     levels = ["avx2"] + [lv for lv in ("avx512_bf16",) if lv in build.usable_levels()]
     return {lv: attention_kernel.typed(ctypes.CDLL(str(build.built("attention", lv, emulate_amx=True))))
             for lv in levels}  # fmt: skip
-
-
-def attend(lib, q, kc, vc, query_lens, seq_lens, tables, scale, tiles=True, window=None):
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
-    sot = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-    width = max(len(t) for t in tables)
-    tb = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return attention_kernel.paged_attention(q, kc, vc, qsl, torch.tensor(seq_lens), sot, tb,
-                                            scale, lib=lib, tiles=tiles,
-                                            window=window)  # fmt: skip
-
-
-def tile_reference(q, kc, vc, query_lens, seq_lens, tables, scale, window=None):
-    """attention_amx.h's contract in float64: q, k, v rounded to bf16 (nearest even), the
-    softmax weights rounded to bf16 before they weight the values and are summed; with a
-    ``window``, over each query's last ``window`` keys."""
-    def bf(t):
-        return t.to(torch.bfloat16).double()
-
-    kvh, d = kc.shape[2], kc.shape[3]
-    out, row = [], 0
-    for ql, sl, table in zip(query_lens, seq_lens, tables, strict=True):
-        k = bf(kc[table].reshape(-1, kvh, d)[:sl])
-        v = bf(vc[table].reshape(-1, kvh, d)[:sl])
-        for i in range(ql):
-            pos = sl - ql + i
-            qi = bf(q[row + i])  # [H, D]
-            g = qi.shape[0] // kvh
-            lo = 0 if window is None else max(0, pos - window + 1)
-            kk, vv = k[lo : pos + 1].repeat_interleave(g, 1), v[lo : pos + 1].repeat_interleave(g, 1)
-            s = torch.einsum("hd,jhd->hj", qi, kk) * scale
-            e = torch.exp(s - s.max(1, keepdim=True).values)
-            p = e.float().to(torch.bfloat16).double()
-            out.append(torch.einsum("hj,jhd->hd", p, vv) / p.sum(1, keepdim=True))
-        row += ql
-    return torch.stack(out)
 
 
 # Rows of one key to several 64-key chunks, on both sides of chunk and 32-key boundaries, a
@@ -102,16 +67,8 @@ def test_each_row_is_bitwise_what_it_gives_alone(emulated):
     heads, kv_heads, dim = 9, 3, 64
     q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, 16, QUERY_LENS, SEQ_LENS, seed=3)
     for lib in emulated.values():
-        batch = attend(lib, q, kc, vc, QUERY_LENS, SEQ_LENS, tables, dim**-0.5)
-        start = 0
-        for ql, sl, table in zip(QUERY_LENS, SEQ_LENS, tables, strict=True):
-            alone = attend(lib, q[start : start + ql], kc, vc, [ql], [sl], [table], dim**-0.5)
-            assert torch.equal(alone, batch[start : start + ql])
-            for i in range(0, ql, 7):  # every 7th row as one decode row
-                row = attend(lib, q[start + i : start + i + 1], kc, vc, [1], [sl - ql + i + 1],
-                             [table], dim**-0.5)  # fmt: skip
-                assert torch.equal(row[0], batch[start + i])
-            start += ql
+        args = (q, kc, vc, QUERY_LENS, SEQ_LENS, tables, dim**-0.5)
+        assert_rows_alone(lib, *args, attend(lib, *args))
 
 
 @pytest.mark.parametrize("window", [1, 5, 31, 64, 65, 100])

@@ -3,7 +3,7 @@ step and in every decode step), and after a prefix-cache hit: one numeric path p
 whatever the row count (the CPU kernels' contract; docs/architecture.md). SmolLM2, the
 default configuration (the GGUF's blocks, activations rounded to bf16 where the CPU has
 AVX512-BF16 — multiplied on AMX tiles where it has AMX-BF16 — else float32; the block-table
-attention), and --decode-activations int8."""
+attention, in bf16 products beside bf16 activations), and --decode-activations int8."""
 
 from __future__ import annotations
 
@@ -52,6 +52,16 @@ def test_on_an_amx_cpu_these_tests_run_the_tiles(model):
     assert model.attention_method.tiles  # attention_amx.h, in every layer:
     assert all(layer.self_attn.method is model.attention_method for layer in model.model.layers)
     assert model.model.step_plan is not None  # ... in the fused step too (its entry points)
+
+
+@pytest.mark.skipif(not gemm.bf16_available() or not attention.uses_bf16_products(64),
+                    reason="needs a CPU with AVX512-BF16")  # fmt: skip
+def test_beside_bf16_activations_these_tests_run_bf16_attention_products(model):
+    """SmolLM2's heads of 64 on AVX512-BF16: attention_dp.h's dot products (attention_amx.h's
+    tiles on AMX) in every layer."""
+    assert all(getattr(layer.method, "bf16", False) for layer in model.linear_layers().values())
+    assert model.attention_method.tiles
+    assert all(layer.self_attn.method is model.attention_method for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("batch", [1, 7, 33, 64])

@@ -35,16 +35,31 @@
 #if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
 #include "attention_amx.h"  // chunk_partials_amx: the same on AMX tiles
 // Whether this process may use the tiles (asked once; amx_tile.h).
-static int attn_amx_ready(void) {
+static int attn_tiles_ready(void) {
     static int granted = -1;
     if (granted < 0) granted = amx_request() == 0;
     return granted;
 }
 int attention_amx(void) { return 1; }
 #define chunk_partials_tiles chunk_partials_amx
+#define chunk_scratch_tiles_bytes chunk_scratch_amx_bytes
+#elif defined(__AVX512BF16__)
+#include "attention_dp.h"  // chunk_partials_dp: bf16 products as AVX-512 BF16 dot products
+static int attn_tiles_ready(void) { return 1; }
+int attention_amx(void) { return 0; }
+#define chunk_partials_tiles chunk_partials_dp
+#define chunk_scratch_tiles_bytes chunk_scratch_dp_bytes
 #else
 int attention_amx(void) { return 0; }
 #define chunk_partials_tiles chunk_partials
+#endif
+// Whether the _tiles entry points compute bf16 products (AMX tiles, their emulation, or
+// AVX-512 BF16 dot products) for heads of whole 32s; else they are the float32 ones.
+#if defined(ATTN_AMX) || defined(ATTN_DP)
+#define ATTN_TILES 1
+int attention_bf16_products(void) { return 1; }
+#else
+int attention_bf16_products(void) { return 0; }
 #endif
 
 // The chunks' partials of one (row, KV head), in order, into its G output heads.
@@ -85,8 +100,8 @@ static void *get_scratch(int64_t bytes) {
 // per query vector, and the queries' scores), or the tile chunk's.
 static int64_t chunk_scratch_bytes(int G, int D, int tiles) {
     const int64_t M = (int64_t)GROUP * G;
-#ifdef ATTN_AMX
-    if (tiles) return chunk_scratch_amx_bytes(D);
+#ifdef ATTN_TILES
+    if (tiles) return chunk_scratch_tiles_bytes(D);
 #endif
     (void)D, (void)tiles;
     return (4 * CHUNK + 3 * M) * (int64_t)sizeof(void *) + M * CHUNK * (int64_t)sizeof(float);
@@ -293,8 +308,8 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
                 NULL, NULL, NULL, NULL, NULL};
     // Tiles (asked for by the _tiles entry points): every row of the call, for head sizes of
     // whole tiles — one numeric path.
-#ifdef ATTN_AMX
-    p.tiles = want_tiles && D % 32 == 0 && attn_amx_ready();
+#ifdef ATTN_TILES
+    p.tiles = want_tiles && D % 32 == 0 && attn_tiles_ready();
 #else
     (void)want_tiles;
 #endif

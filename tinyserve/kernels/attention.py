@@ -1,6 +1,7 @@
 """Paged attention through the block table (attention.c, AVX2 + FMA, float32 arithmetic on a
-float32 or bf16 cache; on a CPU with AMX, q.k and p.v as bf16 products on its tiles,
-attention_amx.h).
+float32 or bf16 cache; for a model whose matmuls round activations to bf16, q.k and p.v as
+bf16 products: on AMX tiles, attention_amx.h, or with AVX-512 BF16 dot products,
+attention_dp.h).
 
 Reads each sequence's K/V where they lie in the paged cache — no gathered copy of the
 context, no padded mask — in chunks of 64 keys combined in order (flash-decoding, so one
@@ -24,12 +25,17 @@ from tinyserve.kernels.build import kernel_threads, load
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` (an attention.c build) with its entry points' signatures declared."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for f in (lib.paged_attention, lib.paged_attention_bf16, lib.paged_attention_tiles,
-              lib.paged_attention_bf16_tiles):
+    for f in (
+        lib.paged_attention,
+        lib.paged_attention_bf16,
+        lib.paged_attention_tiles,
+        lib.paged_attention_bf16_tiles,
+    ):
         f.argtypes = [p, i64, p, p, i32, i32, i32, i32, p, p, p, i64, p, i64,
                       ctypes.c_float, i64, p, i32]  # fmt: skip
         f.restype = ctypes.c_int
-    lib.attention_amx.argtypes, lib.attention_amx.restype = [], ctypes.c_int
+    for f in (lib.attention_amx, lib.attention_bf16_products):
+        f.argtypes, f.restype = [], ctypes.c_int
     return lib
 
 
@@ -52,6 +58,14 @@ def uses_tiles(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.attention_amx()) and head_dim % 32 == 0
 
 
+def uses_bf16_products(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether ``lib``'s _tiles entry points compute heads of ``head_dim`` as bf16 products
+    (bf16 q, k, v and p, float32 sums): on AMX tiles (uses_tiles) or, on a CPU with AVX-512
+    BF16 and no tiles, as VDPBF16PS dot products (attention_dp.h); else they are float32."""
+    lib = lib or library()
+    return lib is not None and bool(lib.attention_bf16_products()) and head_dim % 32 == 0
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: any token stride, heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16
@@ -62,7 +76,7 @@ def paged_attention(
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
     scale: float,
     lib: ctypes.CDLL | None = None,  # another build (typed(); e.g. another ISA level)
-    tiles: bool = False,  # AMX tiles where the build has them (uses_tiles), else float32
+    tiles: bool = False,  # bf16 products where the build has them (uses_bf16_products)
     window: int | None = None,  # a sliding window: each query sees its last ``window`` keys
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape

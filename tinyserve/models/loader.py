@@ -181,7 +181,7 @@ def _report_methods(
         "linear methods: %s (kernel activations %s); attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
         taken,
-        net.attention_method.name + (" on AMX tiles (bf16)" if net.attention_method.tiles else ""),
+        net.attention_method.name + (" in bf16 products" if net.attention_method.tiles else ""),
         net.model.step_plan is not None,
     )
 
@@ -288,14 +288,16 @@ def _use_fused_ops(net: LlamaForCausalLM, on: bool) -> None:
 
 
 def _tiles_fit(net: LlamaForCausalLM) -> bool:
-    """Whether the block-table attention should run on AMX tiles (bf16 q, k, v and p; kernels/attention_amx.h):
+    """Whether the block-table attention should compute bf16 products (bf16 q, k, v and p;
+    on AMX tiles, kernels/attention_amx.h, or AVX-512 BF16 dot products, attention_dp.h):
     where this CPU's attention build has them for the head size and the matmuls round their
-    activations to bf16 (--kernel-activations, default on AMX), so that the model runs at one
-    precision; --kernel-activations float32 keeps float32 attention too."""
+    activations to bf16 (--kernel-activations, default where the CPU has native bf16), so that
+    the model runs at one precision; --kernel-activations float32 keeps float32 attention
+    too."""
     from tinyserve.kernels import attention as attention_kernel
 
     bf16 = any(getattr(m.method, "bf16", False) for m in net.linear_layers().values())
-    return bf16 and attention_kernel.uses_tiles(net.config.head_dim)
+    return bf16 and attention_kernel.uses_bf16_products(net.config.head_dim)
 
 
 def _with_progress(tensors, config: ModelConfig):

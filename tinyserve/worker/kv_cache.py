@@ -15,10 +15,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def resolve_kv_cache_dtype(name: str, model) -> torch.dtype:
-    """--kv-cache-dtype: "auto" is the model's dtype, or bfloat16 where attention runs on AMX
-    tiles (kernels/attention_amx.h rounds K and V to bf16 as it loads them, so a bf16 cache
-    gives the same outputs from half the bytes: a decode step's attention 1.3-1.4x faster at
-    8-32 rows) or the kernels hold the weights in bf16 (``bf16_weights``); "bfloat16" needs
+    """--kv-cache-dtype: "auto" is the model's dtype, or bfloat16 where attention computes bf16
+    products (AMX tiles, kernels/attention_amx.h, or AVX-512 BF16 dot products,
+    attention_dp.h: both round K and V to bf16 as they load them, so a bf16 cache gives the
+    same outputs from half the bytes: a decode step's attention 1.3-1.4x faster at 8-32 rows
+    on AMX) or the kernels hold the weights in bf16 (``bf16_weights``); "bfloat16" needs
     either a bf16 model or the CPU kernels' attention (kernels/attention.c reads a bf16
     cache; the torch path attends in the model's dtype)."""
     if name not in KV_CACHE_DTYPES:
@@ -53,7 +54,8 @@ def bf16_weights(model) -> bool:
 
 
 def attention_tiles(model) -> bool:
-    """Whether the model's attention runs on AMX tiles (the loader's attention method)."""
+    """Whether the model's attention computes bf16 products (AMX tiles or AVX-512 BF16 dot
+    products; the loader's attention method)."""
     return bool(getattr(getattr(model, "attention_method", None), "tiles", False))
 
 

@@ -32,7 +32,7 @@
 // Raw q.k of NQ queries (bf16 pairs at qp + m * hd) against NKB blocks of 16 keys from block
 // kb0 of the transposed keys kt (nkb blocks): into sr + m * CHUNK + key.
 DP_ALWAYS void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *qp, int hd,
-                         float *sr, const int NQ, const int NKB) {
+                         float *sr, next_lines_t *nl, const int NQ, const int NKB) {
     __m512 acc[DP_Q][4];
     for (int m = 0; m < NQ; m++)
         for (int b = 0; b < NKB; b++) acc[m][b] = _mm512_setzero_ps();
@@ -40,6 +40,7 @@ DP_ALWAYS void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *q
         const uint32_t *row = kt + ((e / 16) * nkb + kb0) * 256 + (e % 16) * 16;
         __m512bh k[4];
         for (int b = 0; b < NKB; b++) k[b] = (__m512bh)_mm512_loadu_si512(row + b * 256);
+        prefetch_pass(nl);
         for (int m = 0; m < NQ; m++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[m * hd + e]);
             for (int b = 0; b < NKB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], k[b], qb);
@@ -52,7 +53,7 @@ DP_ALWAYS void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *q
 // os[m][16 db .. 16 db + 15] for NDB blocks of 16 d from db0 = the chain over the ntp key
 // pairs of NQ queries' weights (bf16 pairs at pp + m * CHUNK / 2) times the values vt.
 DP_ALWAYS void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp, int ntp,
-                         float *const *os, const int NQ, const int NDB) {
+                         float *const *os, next_lines_t *nl, const int NQ, const int NDB) {
     __m512 acc[DP_Q][4];
     for (int m = 0; m < NQ; m++)
         for (int b = 0; b < NDB; b++) acc[m][b] = _mm512_setzero_ps();
@@ -60,6 +61,7 @@ DP_ALWAYS void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp
         const uint32_t *row = vt + ((t / 16) * nd + db0) * 256 + (t % 16) * 16;
         __m512bh v[4];
         for (int b = 0; b < NDB; b++) v[b] = (__m512bh)_mm512_loadu_si512(row + b * 256);
+        prefetch_pass(nl);
         for (int m = 0; m < NQ; m++) {
             const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[m * (CHUNK / 2) + t]);
             for (int b = 0; b < NDB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], v[b], pb);
@@ -89,7 +91,7 @@ DP_ALWAYS void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp
 static void dp_query_block(const attn_t *a, const float *q, int64_t q_stride, int64_t g, int m0,
                            int mb, const int *b_row, const int *n_row, int nk, const uint32_t *kt,
                            const uint32_t *vt, uint32_t *qp, float *sb, uint16_t *pb,
-                           float *const *parts) {
+                           float *const *parts, next_lines_t *nl) {
     const int G = a->H / a->KVH, D = a->D, hd = D / 2, nkb = nk / 16, nd = D / 16;
     float *os[DP_BLOCK];
     for (int m = m0; m < m0 + mb; m++) {
@@ -100,7 +102,7 @@ static void dp_query_block(const attn_t *a, const float *q, int64_t q_stride, in
     for (int i = 0; i < mb; i += DP_Q) {
         const int nq = mb - i < DP_Q ? mb - i : DP_Q;
         for (int kb0 = 0; kb0 < nkb; kb0 += 4) {
-#define SCORES(NQ, NB) dp_scores(kt, nkb, kb0, qp + i * hd, hd, sb + i * CHUNK, NQ, NB)
+#define SCORES(NQ, NB) dp_scores(kt, nkb, kb0, qp + i * hd, hd, sb + i * CHUNK, nl, NQ, NB)
             DP_BY(SCORES, nq, nkb - kb0 < 4 ? nkb - kb0 : 4);
 #undef SCORES
         }
@@ -111,7 +113,7 @@ static void dp_query_block(const attn_t *a, const float *q, int64_t q_stride, in
     for (int i = 0; i < mb; i += DP_Q) {
         const int nq = mb - i < DP_Q ? mb - i : DP_Q;
         for (int db0 = 0; db0 < nd; db0 += 4) {
-#define VALUES(NQ, NB) dp_values(vt, nd, db0, (const uint32_t *)(pb + i * CHUNK), nk / 2, os + i, NQ, NB)
+#define VALUES(NQ, NB) dp_values(vt, nd, db0, (const uint32_t *)(pb + i * CHUNK), nk / 2, os + i, nl, NQ, NB)
             DP_BY(VALUES, nq, nd - db0 < 4 ? nd - db0 : 4);
 #undef VALUES
         }
@@ -120,11 +122,11 @@ static void dp_query_block(const attn_t *a, const float *q, int64_t q_stride, in
 
 // chunk_partials (attention_chunk.h's contract of arguments; numerics above). scratch:
 // chunk_scratch_dp_bytes. The keys and values packed once, then the queries DP_BLOCK at a
-// time. No prefetch of the next chunk, as on AMX tiles (attention_amx.h says why).
+// time.
 static void chunk_partials_dp_t(const attn_t *a, const float *q, int64_t q_stride, int R,
                                 const int *b_row, const int *n_row, const int32_t *table,
                                 int64_t g, int64_t j0, float *const *parts, void *scratch,
-                                const int BF) {
+                                const next_t *next, const int BF) {
     const int G = a->H / a->KVH, D = a->D, hd = D / 2, M = R * G, n = n_row[R - 1];
     const int nk = (n + 31) / 32 * 32;
     const void **kp = (const void **)scratch, **vp = kp + CHUNK;
@@ -132,25 +134,34 @@ static void chunk_partials_dp_t(const attn_t *a, const float *q, int64_t q_strid
     uint32_t *qp = vt + CHUNK * hd;  // [DP_BLOCK][hd]
     float *sb = (float *)(qp + DP_BLOCK * hd);  // [DP_BLOCK][CHUNK]
     uint16_t *pb = (uint16_t *)(sb + DP_BLOCK * CHUNK);  // [DP_BLOCK][CHUNK]
-    slot_ptrs(a, table, g, j0, n, kp, vp, BF ? 2 : 4);
+    const int64_t esize = BF ? 2 : 4;
+    slot_ptrs(a, table, g, j0, n, kp, vp, esize);
     pack_kv_bf16(kp, vp, n, nk, D, kr, kt, vt, BF);
+    // The next chunk's key and value lines into L2 (prefetcht1), a few with each pair of the
+    // first passes over the scores and the weighted sums: between two layers' attention the
+    // matmuls' weights evict this layer's cache lines, so a decode row's chunks read them
+    // cold (as attention_chunk.h's float chunk does; without it a decode step at 3000 keys
+    // was slower than the float chunk's).
+    const void **nkp = (const void **)(pb + DP_BLOCK * CHUNK), **nvp = nkp + CHUNK;
+    const int nn = next ? next->n : 0, lpr = (int)((D * esize + 63) / 64), iters = hd + nk / 2;
+    if (nn) slot_ptrs(a, next->table, next->g, next->j0, nn, nkp, nvp, esize);
+    next_lines_t nl = {nkp, nvp, nn, lpr, (2 * nn * lpr + iters - 1) / iters, 0};
     for (int m0 = 0; m0 < M; m0 += DP_BLOCK)
         dp_query_block(a, q, q_stride, g, m0, M - m0 < DP_BLOCK ? M - m0 : DP_BLOCK, b_row, n_row,
-                       nk, kt, vt, qp, sb, pb, parts);
+                       nk, kt, vt, qp, sb, pb, parts, &nl);
 }
 
 // Bytes of chunk_partials_dp's scratch (D elements per head).
 static int64_t chunk_scratch_dp_bytes(int D) {
-    return 2 * CHUNK * (int64_t)sizeof(void *) + 3 * CHUNK * D / 2 * 4 + DP_BLOCK * D / 2 * 4 +
+    return 4 * CHUNK * (int64_t)sizeof(void *) + 3 * CHUNK * D / 2 * 4 + DP_BLOCK * D / 2 * 4 +
            DP_BLOCK * CHUNK * 4 + DP_BLOCK * CHUNK * 2;
 }
 
 static void chunk_partials_dp(const attn_t *a, const float *q, int64_t q_stride, int R,
                               const int *b_row, const int *n_row, const int32_t *table, int64_t g,
                               int64_t j0, float *const *parts, void *scratch, const next_t *next) {
-    (void)next;
-    if (a->bf16) chunk_partials_dp_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, 1);
-    else chunk_partials_dp_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, 0);
+    if (a->bf16) chunk_partials_dp_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, next, 1);
+    else chunk_partials_dp_t(a, q, q_stride, R, b_row, n_row, table, g, j0, parts, scratch, next, 0);
 }
 
 #endif

@@ -9,12 +9,13 @@ the work (SmolLM2 on a Zen 4: 543 new tokens after 1456 cached took 2x what they
 alone). Per tree (this one and ``--baseline-rev``, each in its own process, default flags,
 speculation off): ``--new`` random tokens after ``--contexts`` cached ones (max_tokens 1:
 the prefill; the prefix sent first, so that it is cached) and ``--decode-tokens`` greedy
-tokens decoded at each context of ``--decode-contexts``, in ms a token. ``--reps``
+tokens decoded at each context of ``--decode-contexts``, in ms a token, and ``--streams``
+sequences decoding together at the first of them, in ms a step. ``--reps``
 repetitions, the trees alternating in each; min / median / max per cell, fresh random tokens
 every repetition (no cross-repetition cache hits).
 
 python benchmarks/bench_long_context.py [--baseline-rev 86aa8b9] [--reps 3]
-    [--contexts 0,1456,3000] [--new 543] [--decode-contexts 1000,3000]
+    [--contexts 0,1456,3000] [--new 543] [--decode-contexts 1000,3000] [--streams 16]
     [--out benchmarks/results/long_context.json]
 """
 
@@ -67,6 +68,13 @@ def child(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         llm.generate([prompt], decode, use_tqdm=False)  # a cached prompt: 1 row, then n steps
         out[f"decode at {ctx}"] = (time.perf_counter() - t) * 1000 / n
+    if args.streams > 1:  # that many sequences decoding together, each at the first context
+        ctx = args.decode_contexts[0]
+        prompts = [tokens(ctx) for _ in range(args.streams)]
+        llm.generate(prompts, one, use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(prompts, decode, use_tqdm=False)
+        out[f"decode {args.streams} streams at {ctx}"] = (time.perf_counter() - t) * 1000 / n
     print(json.dumps(out))
 
 
@@ -74,7 +82,7 @@ def run_tree(tree: Path, args: argparse.Namespace, seed: int) -> dict[str, float
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed),
            "--model", args.model, "--contexts", ",".join(map(str, args.contexts)),
            "--new", str(args.new), "--decode-contexts", ",".join(map(str, args.decode_contexts)),
-           "--decode-tokens", str(args.decode_tokens)]  # fmt: skip
+           "--decode-tokens", str(args.decode_tokens), "--streams", str(args.streams)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree)}
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -92,6 +100,9 @@ def main() -> int:
     p.add_argument("--new", type=int, default=543)
     p.add_argument("--decode-contexts", type=ints, default=[1000, 3000])
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument(
+        "--streams", type=int, default=16, help="also decode this many sequences at once"
+    )
     p.add_argument("--model", default=str(Path.home() / ".cache/tinyserve/models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"))  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -138,7 +138,8 @@ def main() -> int:
     names = list(trees)
     ratio = {k: round(cells[names[1]][k][1] / cells[names[0]][k][1], 3) for k in cells[names[0]]}
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_info(),
-              "new_tokens": args.new, "units": "ms (prefill), ms a token (decode)",
+              "args": {k: v for k, v in vars(args).items() if k != "child"},
+              "units": "ms (prefill), ms a token (decode), ms a step (streams)",
               "cells": cells, "baseline_over_this": ratio, "runs": runs}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -55,7 +55,7 @@ def test_greedy_with_a_bf16_cache_follows_the_float32_one(smol_path):
 
 
 @needs_kernels
-def test_auto_is_a_bf16_cache_exactly_where_attention_runs_on_tiles(smol_path):
+def test_auto_is_a_bf16_cache_exactly_where_attention_computes_bf16_products(smol_path):
     """Where attention computes bf16 products (AMX tiles, or AVX-512 BF16 dot products) it
     rounds K and V to bf16 as it loads them: "auto" stores them so (half the bytes), and a
     float32 cache gives the very same tokens; elsewhere "auto" is float32."""

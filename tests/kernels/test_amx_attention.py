@@ -13,7 +13,7 @@ import ctypes
 import pytest
 import torch
 
-from tests.support.attention import assert_rows_alone, attend, tile_reference
+from tests.support.attention import assert_rows_alone, attend, bf16_reference
 from tinyserve.kernels import attention as attention_kernel
 from tinyserve.kernels import build
 from tinyserve.layers.attention import reference_paged_attention
@@ -46,7 +46,7 @@ def test_tiles_equal_their_float64_contract_and_each_other(emulated, heads, kv_h
     outs = {lv: attend(lib, *args) for lv, lib in emulated.items()}
     first = next(iter(outs.values()))
     assert attention_kernel.uses_tiles(dim, next(iter(emulated.values())))
-    contract = tile_reference(*args)
+    contract = bf16_reference(*args)
     exact = reference_paged_attention(q, kc.float(), vc.float(), QUERY_LENS, SEQ_LENS, tables,
                                       dim**-0.5)  # fmt: skip
     # float32 sums and exp256 against float64 (a p may round to its other bf16 neighbour).
@@ -80,7 +80,7 @@ def test_a_sliding_window_on_tiles_equals_its_contract_and_each_row_alone(emulat
     q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, 16, QUERY_LENS, SEQ_LENS, seed=4)
     args = (q, kc, vc, QUERY_LENS, SEQ_LENS, tables, dim**-0.5)
     outs = [attend(lib, *args, window=window) for lib in emulated.values()]
-    assert (outs[0].double() - tile_reference(*args, window=window)).abs().max() < 2e-3
+    assert (outs[0].double() - bf16_reference(*args, window=window)).abs().max() < 2e-3
     for out in outs:
         assert torch.equal(out, outs[0])
     if attention_kernel.uses_tiles(dim):  # this CPU's build: the hardware tiles, same bits

@@ -13,7 +13,7 @@ import ctypes
 import pytest
 import torch
 
-from tests.support.attention import assert_rows_alone, attend, tile_reference
+from tests.support.attention import assert_rows_alone, attend, bf16_reference
 from tinyserve.kernels import attention as attention_kernel
 from tinyserve.kernels import build
 from tinyserve.layers.attention import reference_paged_attention
@@ -36,8 +36,10 @@ def lib() -> ctypes.CDLL:
     return dp
 
 
+# d in steps of 4 blocks of 16, then 2 (96, 160); 8 of them (256); one KV head; G of 7.
 @pytest.mark.parametrize(
-    "heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (4, 2, 32), (14, 2, 64), (6, 2, 96)]
+    "heads,kv_heads,dim",
+    [(9, 3, 64), (8, 1, 128), (4, 2, 32), (14, 2, 64), (6, 2, 96), (8, 2, 256), (6, 2, 160)],
 )
 def test_dot_products_equal_the_float64_contract(lib, heads, kv_heads, dim):
     q, kc, vc, tables = random_paged_case(heads, kv_heads, dim, 16, QUERY_LENS, SEQ_LENS, seed=dim)
@@ -46,7 +48,7 @@ def test_dot_products_equal_the_float64_contract(lib, heads, kv_heads, dim):
     out = attend(lib, *args)
     exact = reference_paged_attention(q, kc, vc, QUERY_LENS, SEQ_LENS, tables, dim**-0.5)
     # float32 sums and exp against float64 (a p may round to its other bf16 neighbour) ...
-    assert (out.double() - tile_reference(*args)).abs().max() < 2e-3
+    assert (out.double() - bf16_reference(*args)).abs().max() < 2e-3
     # ... and against float32 attention: the precision bf16 products give up.
     assert 1e-4 < (out - exact).abs().max() < 3e-2
     # K and V are rounded as they are loaded: a bf16 cache gives the same bits.
@@ -74,7 +76,7 @@ def test_a_sliding_window_equals_its_contract_and_each_row_alone(lib, window):
     out = attend(lib, *args, window=window)
     # A window of a few keys weighs each p that rounds to its other bf16 neighbour more (the
     # emulated AMX tiles: the same 3.1e-3 at most over windows of 2-8 keys and three seeds).
-    assert (out.double() - tile_reference(*args, window=window)).abs().max() < 4e-3
+    assert (out.double() - bf16_reference(*args, window=window)).abs().max() < 4e-3
     assert_rows_alone(lib, *args, out, every=5, window=window)
 
 

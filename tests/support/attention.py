@@ -21,7 +21,7 @@ def attend(lib, q, kc, vc, query_lens, seq_lens, tables, scale, tiles=True, wind
                                             window=window)  # fmt: skip
 
 
-def tile_reference(q, kc, vc, query_lens, seq_lens, tables, scale, window=None):
+def bf16_reference(q, kc, vc, query_lens, seq_lens, tables, scale, window=None):
     """The bf16-product contract (attention_amx.h, attention_dp.h) in float64: q, k, v rounded to bf16 (nearest even), the
     softmax weights rounded to bf16 before they weight the values and are summed; with a
     ``window``, over each query's last ``window`` keys."""

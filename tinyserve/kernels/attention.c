@@ -1,5 +1,6 @@
 // Paged attention for a flat (ragged) batch, float32, AVX2 + FMA (or, through the _tiles
-// entry points of an AMX build, bf16 products on AMX tiles: attention_amx.h), read straight through the
+// entry points, bf16 products: on AMX tiles in an AMX build, attention_amx.h; as AVX-512 BF16
+// dot products in an avx512_bf16 build, attention_dp.h), read straight through the
 // block table: no gather of the context into a padded rectangle, no mask. The cache holds
 // float32 (paged_attention) or bf16 (paged_attention_bf16, --kv-cache-dtype bfloat16: half
 // the bytes a decode row reads); bf16 keys and values widen to float32 exactly as loaded, so
@@ -30,7 +31,8 @@
 // most of a tile chunk's cost, so the more rows the better while the work items still
 // outnumber the threads (one layer of a 2048-token prompt in 512-row steps, Xeon AMX, 2
 // threads: 16 rows 20.0 ms, 32 17.4, 64 13.5, 128 32.1 — 128 leaves 12 items, the per-chunk
-// mode). The group is a scheduling choice only: no row's bits depend on it.
+// mode). The group is a scheduling choice only: no row's bits depend on it. The dot products
+// (attention_dp.h) pack a chunk the same way and take the same groups (not measured apart).
 #define GROUP_TILES 64
 #if defined(__AMX_BF16__) || defined(TINYSERVE_AMX_EMULATE)
 #include "attention_amx.h"  // chunk_partials_amx: the same on AMX tiles
@@ -323,8 +325,8 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
 
 // The entry points (ctypes; step.c's attn_fn): paged_attention over a float32 cache,
 // paged_attention_bf16 over a bf16 one (uint16 [num_blocks, block_size, KVH, D] each), and
-// the same two on AMX tiles (attention_amx.h's bf16 contract) where this build has them and
-// head_dim % 32 == 0, else as the first two: the _tiles pair for a model whose matmuls round
+// the same two in bf16 products (AMX tiles, attention_amx.h, or AVX-512 BF16 dot products,
+// attention_dp.h) where this build has them and head_dim % 32 == 0, else as the first two: the _tiles pair for a model whose matmuls round
 // their activations to bf16 (--kernel-activations), chosen by the loader. window: the
 // layer's sliding window (0: none).
 #define ENTRY(name, KV_T, BF, TILES)                                                         \

@@ -14,7 +14,8 @@
 //   o[d] = the same chain over the key pairs (p_2t vr_2t[d], p_2t+1 vr_2t+1[d]) from key 0
 // A lane's chain holds one (query, key) or (query, d) whatever the pass computes beside it;
 // keys past a query's own have p = 0 and keys past the chunk are zero rows, so a pass over
-// more keys than a query sees adds exact zeros (its sums never hold -0): a decode row alone,
+// more keys than a query sees adds exact zeros (its sums never hold -0, barring a partial
+// sum below 2^-126 flushed to zero, out of reach of real values): a decode row alone,
 // a prompt row among 63 others and a row after a prefix-cache hit get the same bits. Not
 // the AMX tiles' bits (TDPBF16PS sums each 32 elements in two chains first): each CPU's
 // attention is invariant on its own. Requires D % 32 == 0 (else attention.c keeps the
@@ -27,11 +28,9 @@
 #define DP_Q 6  // queries a pass: 6 x 4 accumulators, 4 operands and a broadcast in 32 zmm
 #define DP_BLOCK 48  // queries whose scores and weights the scratch holds at once
 
-#define DP_ALWAYS static inline __attribute__((always_inline))
-
 // Raw q.k of NQ queries (bf16 pairs at qp + m * hd) against NKB blocks of 16 keys from block
 // kb0 of the transposed keys kt (nkb blocks): into sr + m * CHUNK + key.
-DP_ALWAYS void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *qp, int hd,
+INLINE void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *qp, int hd,
                          float *sr, next_lines_t *nl, const int NQ, const int NKB) {
     __m512 acc[DP_Q][4];
     for (int m = 0; m < NQ; m++)
@@ -52,7 +51,7 @@ DP_ALWAYS void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *q
 
 // os[m][16 db .. 16 db + 15] for NDB blocks of 16 d from db0 = the chain over the ntp key
 // pairs of NQ queries' weights (bf16 pairs at pp + m * CHUNK / 2) times the values vt.
-DP_ALWAYS void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp, int ntp,
+INLINE void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp, int ntp,
                          float *const *os, next_lines_t *nl, const int NQ, const int NDB) {
     __m512 acc[DP_Q][4];
     for (int m = 0; m < NQ; m++)
@@ -82,6 +81,7 @@ DP_ALWAYS void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp
         case 4 * 8 + 2: call(4, 2); break; case 4 * 8 + 4: call(4, 4); break;     \
         case 5 * 8 + 2: call(5, 2); break; case 5 * 8 + 4: call(5, 4); break;     \
         case 6 * 8 + 2: call(6, 2); break; case 6 * 8 + 4: call(6, 4); break;     \
+        default: __builtin_trap(); /* a pass skipped would leave stale partials */ \
         }                                                                          \
     } while (0)
 

@@ -310,7 +310,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    tiles: bool = False,  # the kernel on AMX tiles (kernels/attention.py paged_attention)
+    tiles: bool = False,  # the kernel's bf16 products (kernels/attention.py paged_attention)
     window: int | None = None,  # the layer's sliding window (None: full attention)
 ) -> torch.Tensor:
     """Production path: the block-table kernel, or one SDPA call per group; no loop over

@@ -32,7 +32,7 @@ class AttentionMethod:
     name: str = "torch"
     block_table_inputs: bool = False  # a step's metadata: the kernel's inputs, not rectangles
     decode_backend: str | None = None  # the torch path's decode rows: "triton" or rectangles
-    tiles: bool = False  # bf16 on AMX tiles (KernelAttention only)
+    tiles: bool = False  # bf16 products: AMX tiles or VDPBF16PS (KernelAttention only)
 
     def metadata(
         self, query_lens, seq_lens, block_tables, block_size, device, dtype, num_decode_seqs,

@@ -181,7 +181,7 @@ def _report_methods(
         "linear methods: %s (kernel activations %s); attention: %s; layers in one C call: %s",
         ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
         taken,
-        net.attention_method.name + (" in bf16 products" if net.attention_method.tiles else ""),
+        net.attention_method.name + _products_unit(net),
         net.model.step_plan is not None,
     )
 
@@ -287,13 +287,23 @@ def _use_fused_ops(net: LlamaForCausalLM, on: bool) -> None:
             m.use_kernel = on and (cfg.intermediate_size // net.tp.size) % 8 == 0
 
 
+def _products_unit(net: LlamaForCausalLM) -> str:
+    """The start-up log's name for where attention's bf16 products run (none: float32)."""
+    from tinyserve.kernels import attention as attention_kernel
+
+    if not net.attention_method.tiles:
+        return ""
+    amx = attention_kernel.uses_tiles(net.config.head_dim)
+    return " in bf16 products on " + ("AMX tiles" if amx else "VDPBF16PS dot products")
+
+
 def _tiles_fit(net: LlamaForCausalLM) -> bool:
     """Whether the block-table attention should compute bf16 products (bf16 q, k, v and p;
     on AMX tiles, kernels/attention_amx.h, or AVX-512 BF16 dot products, attention_dp.h):
     where this CPU's attention build has them for the head size and the matmuls round their
     activations to bf16 (--kernel-activations, default where the CPU has native bf16), so that
     the model runs at one precision; --kernel-activations float32 keeps float32 attention
-    too."""
+    too (not with bf16 weights, whose matmuls take bf16 activations only)."""
     from tinyserve.kernels import attention as attention_kernel
 
     bf16 = any(getattr(m.method, "bf16", False) for m in net.linear_layers().values())

@@ -35,16 +35,18 @@ INLINE void dp_scores(const uint32_t *kt, int nkb, int kb0, const uint32_t *qp, 
     __m512 acc[DP_Q][4];
     for (int m = 0; m < NQ; m++)
         for (int b = 0; b < NKB; b++) acc[m][b] = _mm512_setzero_ps();
+    next_lines_t lines = *nl;  // in registers: the loop stored nl->at every pass
     for (int e = 0; e < hd; e++) {
         const uint32_t *row = kt + ((e / 16) * nkb + kb0) * 256 + (e % 16) * 16;
         __m512bh k[4];
         for (int b = 0; b < NKB; b++) k[b] = (__m512bh)_mm512_loadu_si512(row + b * 256);
-        prefetch_pass(nl);
+        prefetch_pass(&lines);
         for (int m = 0; m < NQ; m++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[m * hd + e]);
             for (int b = 0; b < NKB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], k[b], qb);
         }
     }
+    nl->at = lines.at;
     for (int m = 0; m < NQ; m++)
         for (int b = 0; b < NKB; b++) _mm512_storeu_ps(sr + m * CHUNK + (kb0 + b) * 16, acc[m][b]);
 }
@@ -56,16 +58,18 @@ INLINE void dp_values(const uint32_t *vt, int nd, int db0, const uint32_t *pp, i
     __m512 acc[DP_Q][4];
     for (int m = 0; m < NQ; m++)
         for (int b = 0; b < NDB; b++) acc[m][b] = _mm512_setzero_ps();
+    next_lines_t lines = *nl;
     for (int t = 0; t < ntp; t++) {
         const uint32_t *row = vt + ((t / 16) * nd + db0) * 256 + (t % 16) * 16;
         __m512bh v[4];
         for (int b = 0; b < NDB; b++) v[b] = (__m512bh)_mm512_loadu_si512(row + b * 256);
-        prefetch_pass(nl);
+        prefetch_pass(&lines);
         for (int m = 0; m < NQ; m++) {
             const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[m * (CHUNK / 2) + t]);
             for (int b = 0; b < NDB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], v[b], pb);
         }
     }
+    nl->at = lines.at;
     for (int m = 0; m < NQ; m++)
         for (int b = 0; b < NDB; b++) _mm512_storeu_ps(os[m] + (db0 + b) * 16, acc[m][b]);
 }

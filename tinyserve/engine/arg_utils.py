@@ -249,8 +249,8 @@ def _add_kernel_args(parser: argparse.ArgumentParser, d: EngineArgs) -> None:
         default=d.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
         help="auto (default): the model's dtype, or bfloat16 where attention computes bf16 "
-        "products (AMX tiles or AVX-512 BF16 dot products, which round K and V to bf16 anyway); float32: a float32 model's own; "
-        "bfloat16: K and V stored rounded to bf16 "
+        "products (AMX tiles or AVX-512 BF16 dot products, which round K and V to bf16 "
+        "anyway); float32: a float32 model's own; bfloat16: K and V stored rounded to bf16 "
         "(float32 models on the CPU kernels): half the bytes each decode step's attention "
         "reads and twice the tokens per GiB, at bf16's rounding of K and V",
     )

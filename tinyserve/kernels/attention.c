@@ -326,9 +326,9 @@ static int attention_run(const float *q, int64_t q_stride, const void *k_cache,
 // The entry points (ctypes; step.c's attn_fn): paged_attention over a float32 cache,
 // paged_attention_bf16 over a bf16 one (uint16 [num_blocks, block_size, KVH, D] each), and
 // the same two in bf16 products (AMX tiles, attention_amx.h, or AVX-512 BF16 dot products,
-// attention_dp.h) where this build has them and head_dim % 32 == 0, else as the first two: the _tiles pair for a model whose matmuls round
-// their activations to bf16 (--kernel-activations), chosen by the loader. window: the
-// layer's sliding window (0: none).
+// attention_dp.h) where this build has them and head_dim % 32 == 0, else as the first two:
+// the _tiles pair for a model whose matmuls round their activations to bf16
+// (--kernel-activations), chosen by the loader. window: the layer's sliding window (0: none).
 #define ENTRY(name, KV_T, BF, TILES)                                                         \
     int name(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,     \
              int block_size, int H, int KVH, int D, const int64_t *query_start_loc,          \

@@ -99,3 +99,59 @@ def test_quantization_bf16_serves_a_dense_checkpoint(tmp_path, tied):
         load_model(path, torch.float32, "cpu", cpu_kernels=False, quantization="bf16")
     with pytest.raises(ValueError, match="kernel_activations: float32 cannot serve bf16"):
         load_model(path, torch.float32, "cpu", quantization="bf16", kernel_activations="float32")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "quantization, tied, intermediate, stored",
+    [("bf16", True, 128, torch.bfloat16), ("bf16", False, 128, torch.bfloat16),
+     ("int8", False, 128, torch.bfloat16), ("bf16", True, 100, torch.bfloat16),
+     ("bf16", False, 128, torch.float32), ("int8", True, 128, torch.float32)],
+)  # fmt: skip
+def test_quantized_loads_never_hold_the_matmuls_in_float32(
+    tmp_path, monkeypatch, quantization, tied, intermediate, stored
+):
+    """A checkpoint loaded for bf16 (or int8) weights: every matmul weight the kernels take
+    is copied into a bf16 tensor, never a float32 one (the load's peak was the float32
+    model: twice a bf16 checkpoint) — for int8 only where the checkpoint is 16-bit (exact);
+    a float32 one is rounded to bf16 on the copy only for bf16 weights — and the kernels
+    hold what the float32 load packed (from_dense_bf16 / quantize_int8 of the same weights,
+    bit for bit). A width the kernels do not take (intermediate 100: down's K % 32) stays
+    float32 on torch's GEMM."""
+    if quantization == "bf16" and not gemm.bf16_available():
+        pytest.skip("needs a CPU with AVX512-BF16 (vdpbf16ps)")
+    from tinyserve.layers import linear
+    from tinyserve.testing.checkpoints import build_hf, llama_config, save_hf
+
+    hf = build_hf(llama_config(tie_word_embeddings=tied, intermediate_size=intermediate))
+    path = save_hf(hf.to(stored), tmp_path / "llama")
+    fp32, _ = load_model(path, torch.float32, "cpu")
+    copies: list[tuple[torch.dtype, int]] = []
+    real_copy = linear.copy_weight
+
+    def copy_weight(dest, src, sliced=False):
+        if dest.dim() == 2:
+            copies.append((dest.dtype, dest.shape[1]))
+        real_copy(dest, src, sliced)
+
+    monkeypatch.setattr(linear, "copy_weight", copy_weight)
+    net, _ = load_model(path, torch.float32, "cpu", quantization=quantization)
+    monkeypatch.undo()
+    narrow = torch.float32 if quantization == "int8" and stored == torch.float32 else torch.bfloat16
+    assert copies and {t for t, k in copies if k % 32 == 0} == {narrow}
+    assert {t for t, k in copies if k % 32} == ({torch.float32} if intermediate % 32 else set())
+    pack = gemm.from_dense_bf16 if quantization == "bf16" else gemm.quantize_int8
+    for name, layer in net.linear_layers().items():
+        want = fp32.linear_layers()[name].weight.detach()
+        if want.shape[1] % 32:
+            assert linear.on_torch(layer) and torch.equal(layer.weight, want), name
+            continue
+        got, ref = layer.method.kernel, pack(want).kernel
+        assert torch.equal(got.qs, ref.qs) and (got.d is None or torch.equal(got.d, ref.d)), name
+    ids = torch.arange(40)
+    rows = net.model.embed_tokens(ids)
+    want = fp32.model.embed_tokens(ids)  # bf16 weights: the table in bf16 (hold_bf16)
+    want = want.to(torch.bfloat16).float() if quantization == "bf16" else want
+    assert rows.dtype == torch.float32 and torch.equal(rows, want)
+    gap = logits_gap(fp32, net)
+    assert 0 < gap < 0.05, gap

@@ -208,11 +208,31 @@ def on_torch(layer: nn.Module) -> bool:
 
 def _drop_float_copy(layer: nn.Module) -> None:
     """A layer whose kernel holds its own copy of a dense weight (bf16, int8) frees the
-    float32 one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5
-    of bf16): the linears and an untied head, not the embedding, whose rows the lookup reads
+    one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5 of
+    bf16): the linears and an untied head, not the embedding, whose rows the lookup reads
     (a tied head)."""
     if isinstance(layer, LinearBase | ParallelLMHead):
         layer.weight = _param(0, dtype=layer.weight.dtype)
+
+
+def narrow_weights(layers: list[nn.Module], dtype: torch.dtype) -> None:
+    """Before loading a dense checkpoint whose matmuls the kernels will hold as bf16 or int8:
+    each weight allocated in ``dtype`` (the checkpoint's own 16-bit type, or bf16 for bf16
+    weights: rounded on the copy to nearest even, as from_dense_bf16 rounds), so that the
+    model never exists in float32 — the load's peak was the float32 model (twice a bf16
+    checkpoint: a Llama-3.1-8B's 16 GB needed 32). Biases stay float32, and so do weights
+    of a width the kernels do not take (K % 32: torch's GEMM, float32 as before)."""
+    for layer in layers:
+        if layer.weight.shape[1] % 32 == 0:
+            layer.weight = _param(*layer.weight.shape, dtype=dtype)
+
+
+def widen_torch_weights(layers: list[nn.Module]) -> None:
+    """After choose_linear_methods (and the embedding's hold_bf16): a layer left on torch's
+    GEMM (a tied head of K % 32) gets a float32 weight back, as F.linear's x is float32."""
+    for layer in layers:
+        if not isinstance(layer.method, PackedMethod) and layer.weight.dtype != torch.float32:
+            layer.weight = nn.Parameter(layer.weight.data.float(), requires_grad=False)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -118,31 +118,37 @@ def load_model(
     ``kernel_activations``: "bfloat16" rounds the other rows' activations to bf16 on those
     blocks (AVX512-BF16; "auto" picks it where the CPU has it). ``fused_step``: all layers in
     one C call where every layer is on the kernels. The tokenizer is separate."""
-    from tinyserve.layers.linear import check_quantization, choose_linear_methods
+    from tinyserve.layers import linear
 
-    check_quantization(quantization, cpu_kernels, dtype, device)
+    linear.check_quantization(quantization, cpu_kernels, dtype, device)
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     ckpt = GGUFCheckpoint(source.path) if source.kind == "gguf" else None
     config, inv_freq = load_model_config(source, ckpt)
     net = model_class(config)(
         config, dtype=dtype, max_position=max_position, rope_inv_freq=inv_freq, tp=tp
     )
+    use_kernels = cpu_kernels and dtype == torch.float32 and torch.device(device).type == "cpu"
+    narrow = _load_dtype(source, quantization if use_kernels else None)
+    if narrow is not None:  # the matmuls' weights never in float32 (their kernels' own copy)
+        layers = {id(m): m for m in (*net.linear_layers().values(), net.model.embed_tokens)}
+        linear.narrow_weights(list(layers.values()), narrow)
     if ckpt is not None:
         tensors = ckpt.iter_tensors(config)
     else:
         tensors = iter_safetensors(source.path)
     load_weights(net, _with_progress(tensors, config), str(source.path), ckpt is not None)
     net = net.to(device).eval()
-    use_kernels = cpu_kernels and dtype == torch.float32 and torch.device(device).type == "cpu"
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
-    counts = choose_linear_methods(
+    counts = linear.choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
     )  # fmt: skip
     if use_kernels and quantization == "bf16":
         net.model.embed_tokens.hold_bf16()  # (a tied head is the kernel's own bf16 copy)
+    if use_kernels:  # (a float32 model: its torch layers take float32 weights)
+        linear.widen_torch_weights(list(net.linear_layers().values()))
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
     _report_methods(net, counts, decode_activations, kernel_activations, quantization)
     return net, source
@@ -184,6 +190,17 @@ def _report_methods(
         net.attention_method.name + _products_unit(net),
         net.model.step_plan is not None,
     )
+
+
+def _load_dtype(source: ModelSource, quantization: str | None) -> torch.dtype | None:
+    """What a dense checkpoint's matmul weights are loaded in when the kernels will hold them
+    as bf16 (bf16) or int8 (the checkpoint's own 16-bit type, exact), or None: float32."""
+    if source.kind != "safetensors" or quantization not in ("bf16", "int8"):
+        return None
+    if quantization == "bf16":
+        return torch.bfloat16
+    stored = checkpoint_dtype(source)
+    return stored if stored in (torch.bfloat16, torch.float16) else None
 
 
 def checkpoint_dtype(model) -> torch.dtype | None:

@@ -193,7 +193,7 @@ def choose_linear_methods(
                 w = gemm.from_dense(layer.weight.data)
             if w is not None and w.shape == tuple(layer.weight.shape):
                 method = PackedMethod(w, int8_decode and own_blocks, bf16 and own_blocks)
-                if w.kind != gemm.F32 and not own_blocks:
+                if w.kind != gemm.F32:
                     _drop_float_copy(layer)
         layer.set_method(method)
         counts[method.name] = counts.get(method.name, 0) + 1
@@ -213,6 +213,17 @@ def _drop_float_copy(layer: nn.Module) -> None:
     (a tied head)."""
     if isinstance(layer, LinearBase | ParallelLMHead):
         layer.weight = _param(0, dtype=layer.weight.dtype)
+
+
+def defer_weights(layers: list[nn.Module]) -> None:
+    """Before loading a GGUF: the weights the kernels will hold as the checkpoint's own blocks
+    get no float copy at all (a meta tensor: the shape, no memory; the loader skips their
+    tensors without dequantising them). Until 2026-12-07 every layer was dequantised into
+    float32 and kept beside its blocks: SmolLM2-135M's Q4_1 file held 538 MB of float32."""
+    for layer in layers:
+        layer.weight = nn.Parameter(
+            torch.empty(layer.weight.shape, device="meta"), requires_grad=False
+        )
 
 
 def narrow_weights(layers: list[nn.Module], dtype: torch.dtype) -> None:

@@ -23,7 +23,7 @@ from tinyserve.models.gguf_checkpoint import GGUFCheckpoint
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.models.registry import model_class
 from tinyserve.models.source import ModelSource, resolve_model_source
-from tinyserve.models.weights import iter_safetensors, load_weights
+from tinyserve.models.weights import iter_safetensors, load_weights, map_checkpoint_name
 
 __all__ = [
     "ModelSource",
@@ -132,15 +132,18 @@ def load_model(
     if narrow is not None:  # the matmuls' weights never in float32 (their kernels' own copy)
         layers = {id(m): m for m in (*net.linear_layers().values(), net.model.embed_tokens)}
         linear.narrow_weights(list(layers.values()), narrow)
-    if ckpt is not None:
-        tensors = ckpt.iter_tensors(config)
-    else:
-        tensors = iter_safetensors(source.path)
-    load_weights(net, _with_progress(tensors, config), str(source.path), ckpt is not None)
-    net = net.to(device).eval()
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
+    held = _held_blocks(net, packed)
+    if ckpt is not None:
+        tensors = ckpt.iter_tensors(config, skip=lambda name: _param_of(name) in held)
+    else:
+        tensors = iter_safetensors(source.path)
+    load_weights(net, _with_progress(tensors, config), str(source.path), ckpt is not None)
+    if torch.device(device).type != "cpu":  # (meta weights only ever on the CPU kernels)
+        net = net.to(device)
+    net.eval()
     counts = linear.choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
@@ -149,6 +152,8 @@ def load_model(
         net.model.embed_tokens.hold_bf16()  # (a tied head is the kernel's own bf16 copy)
     if use_kernels:  # (a float32 model: its torch layers take float32 weights)
         linear.widen_torch_weights(list(net.linear_layers().values()))
+    if any(p.is_meta for p in net.parameters()):  # a held layer the kernels did not take
+        raise RuntimeError(f"{source.path}: weights left unloaded: a bug in the loader")
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
     _report_methods(net, counts, decode_activations, kernel_activations, quantization)
     return net, source
@@ -190,6 +195,23 @@ def _report_methods(
         net.attention_method.name + _products_unit(net),
         net.model.step_plan is not None,
     )
+
+
+def _held_blocks(net: LlamaForCausalLM, packed: dict) -> set[str]:
+    """The weights (parameter names) the kernels will hold as a GGUF's own blocks, deferred
+    (linear.defer_weights) so that they are never dequantised: all but a tied embedding's,
+    whose table the lookup reads."""
+    from tinyserve.layers.linear import defer_weights
+
+    layers = net.linear_layers()
+    prefixes = [p for p in packed if p != "model.embed_tokens"]
+    defer_weights([layers[p] for p in prefixes])
+    return {p + ".weight" for p in prefixes}
+
+
+def _param_of(hf_name: str) -> str:
+    """The parameter a checkpoint tensor fills (a fused one for q/k/v and gate/up)."""
+    return map_checkpoint_name(hf_name)[0]
 
 
 def _load_dtype(source: ModelSource, quantization: str | None) -> torch.dtype | None:

@@ -114,6 +114,11 @@ def load_weights(
             continue
         prefix, leaf = target.rsplit(".", 1)
         owner = modules[prefix]
+        if tensor is None:  # held by the kernels as the checkpoint's blocks (never copied)
+            if not params[target].is_meta:
+                raise ValueError(f"{file}: tensor {name} was skipped but {target} expects it")
+            loaded.add((target, shard))
+            continue
         try:
             if hasattr(owner, "weight_loader"):
                 owner.weight_loader(leaf, tensor, shard)

@@ -114,13 +114,12 @@ def load_weights(
             continue
         prefix, leaf = target.rsplit(".", 1)
         owner = modules[prefix]
-        if tensor is None:  # held by the kernels as the checkpoint's blocks (never copied)
-            if not params[target].is_meta:
-                raise ValueError(f"{file}: tensor {name} was skipped but {target} expects it")
-            loaded.add((target, shard))
-            continue
+        if tensor is None and not params[target].is_meta:  # (None: a weight the kernels hold)
+            raise ValueError(f"{file}: tensor {name} was skipped but {target} expects it")
         try:
-            if hasattr(owner, "weight_loader"):
+            if tensor is None:  # held by the kernels as the checkpoint's blocks: not copied
+                pass
+            elif hasattr(owner, "weight_loader"):
                 owner.weight_loader(leaf, tensor, shard)
             else:
                 copy_weight(getattr(owner, leaf).data, tensor)

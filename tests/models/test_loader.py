@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tinyserve.kernels.rows import kernel_rows
 from tinyserve.models.loader import load_model
 from tinyserve.testing.checkpoints import (
     LLAMA3_ROPE,
@@ -201,6 +202,9 @@ def _our_weight(model, hf_name: str) -> torch.Tensor:
     if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
         target = "model.embed_tokens.weight"
     p = dict(model.named_parameters())[target]
+    owner = dict(model.named_modules())[target.rsplit(".", 1)[0]]
+    if getattr(owner, "rows_from", None) is not None:  # a tied table read from the head's kernel
+        return kernel_rows(owner.rows_from, torch.arange(owner.rows_from.shape[0]))
     if shard is not None:
         owner = dict(model.named_modules())[target.rsplit(".", 1)[0]]
         p = p.narrow(0, *owner.shard_rows(shard))

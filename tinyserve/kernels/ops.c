@@ -4,6 +4,7 @@
 // decode step runs 2 calls per layer instead of ~15 small torch ops.
 #include "simd.h"  // immintrin, stdint, stdlib, omp, INLINE
 #include <math.h>
+#include <string.h>  // memcpy (kernel_rows)
 
 // If residual != NULL: residual[r] += x[r] first, and the norm is of the sum.
 // out[r] = v * w / sqrt(mean(v^2) + eps). H % 8 == 0. Rows over threads.
@@ -159,6 +160,39 @@ void logprob_rows(const float *logits, int64_t rows, int64_t V, const int64_t *t
         for (int j = 0; j < k; j++) {
             top_ids[r * k + j] = bi[j];
             top_lp[r * k + j] = (bv[j] - m) - lse;
+        }
+    }
+}
+
+// Rows ids [T] of a weight in gemm.c's grouped layout (kernels/rows.py: a tied LM head's kernel
+// copy read as the embedding table) into out [T, K] floats, the values the loader's copy held:
+// kind 0 Q4_1 d * q + m (two roundings: -ffp-contract=off), 1 Q8_0 d * q, 2 float32, 3 bf16
+// pairs (weight p in a word's low half, p + 16 in its high half). gw: outputs per group.
+void kernel_rows(int kind, const void *qs, const float *d, const float *m, int64_t K, int gw,
+                 const int64_t *ids, int64_t T, float *out) {
+    const int64_t nb = K / 32;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t g = ids[t] / gw, lane = ids[t] % gw;
+        float *o = out + t * K;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = g * nb + b;  // this output's block b: (blk * steps + step) * gw
+            const float db = kind < 2 ? d[blk * gw + lane] : 0.0f;
+            for (int p = 0; p < 32; p++) {
+                float v;
+                if (kind == 2) {
+                    v = ((const float *)qs)[(g * K + b * 32 + p) * gw + lane];
+                } else if (kind == 3) {
+                    const uint32_t w = ((const uint32_t *)qs)[(blk * 16 + p % 16) * gw + lane];
+                    const uint32_t bits = (p < 16 ? w & 0xFFFF : w >> 16) << 16;
+                    memcpy(&v, &bits, 4);
+                } else if (kind == 1) {
+                    v = db * (float)((const int8_t *)qs)[(blk * 32 + p) * gw + lane];
+                } else {
+                    const uint8_t c = ((const uint8_t *)qs)[(blk * 16 + p % 16) * gw + lane];
+                    v = db * (float)(p < 16 ? c & 15 : c >> 4) + m[blk * gw + lane];
+                }
+                o[b * 32 + p] = v;
+            }
         }
     }
 }

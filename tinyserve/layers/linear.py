@@ -42,6 +42,8 @@ from torch import nn
 from tinyserve.distributed.parallel_state import TPGroup
 from tinyserve.kernels import gemm
 from tinyserve.kernels.gemm import PackedWeight
+from tinyserve.kernels.rows import KINDS as ROW_KINDS
+from tinyserve.kernels.rows import kernel_rows
 
 
 class ShardShapeError(ValueError):
@@ -361,9 +363,20 @@ class VocabParallelEmbedding(nn.Module):
         self.bias = None
         self.method: LinearMethod = DenseMethod()
         self.rows_dtype = dtype  # what a lookup gives (hold_bf16 keeps the table narrower)
+        self.rows_from = None  # a tied head's kernel weight whose rows are the table
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_from is not None:
+            return kernel_rows(self.rows_from, input_ids)
         return F.embedding(input_ids, self.weight).to(self.rows_dtype)  # [num_tokens, hidden]
+
+    def rows_from_head(self) -> None:
+        """A tied head on the kernels whose weight is the table exactly (a GGUF's own blocks,
+        bf16 weights, float32; not int8 of --quantization int8): lookups read the kernel's
+        copy (kernels/rows.py) and the table is freed (or never loaded: a GGUF's)."""
+        if isinstance(self.method, PackedMethod) and self.method.kernel.kind in ROW_KINDS:
+            self.rows_from = self.method.kernel
+            self.weight = _param(0, dtype=torch.float32)
 
     def hold_bf16(self) -> None:
         """Keep the table in bf16, rows widened on lookup (``--quantization bf16``: a bf16

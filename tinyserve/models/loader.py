@@ -135,7 +135,8 @@ def load_model(
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
-    held = _held_blocks(net, packed)
+    rows_from_head = use_kernels and config.tie_word_embeddings and quantization != "int8"
+    held = _held_blocks(net, packed, rows_from_head)
     if ckpt is not None:
         tensors = ckpt.iter_tensors(config, skip=lambda name: _param_of(name) in held)
     else:
@@ -148,6 +149,8 @@ def load_model(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
     )  # fmt: skip
+    if rows_from_head:  # the table is the head's kernel copy (exactly: not int8's rounding)
+        net.model.embed_tokens.rows_from_head()
     if use_kernels and quantization == "bf16":
         net.model.embed_tokens.hold_bf16()  # (a tied head is the kernel's own bf16 copy)
     if use_kernels:  # (a float32 model: its torch layers take float32 weights)
@@ -197,14 +200,14 @@ def _report_methods(
     )
 
 
-def _held_blocks(net: LlamaForCausalLM, packed: dict) -> set[str]:
+def _held_blocks(net: LlamaForCausalLM, packed: dict, rows_from_head: bool) -> set[str]:
     """The weights (parameter names) the kernels will hold as a GGUF's own blocks, deferred
-    (linear.defer_weights) so that they are never dequantised: all but a tied embedding's,
-    whose table the lookup reads."""
+    (linear.defer_weights) so that they are never dequantised: all of them, a tied head's
+    too where the lookup reads its rows from the kernel's copy (``rows_from_head``)."""
     from tinyserve.layers.linear import defer_weights
 
     layers = net.linear_layers()
-    prefixes = [p for p in packed if p != "model.embed_tokens"]
+    prefixes = [p for p in packed if rows_from_head or p != "model.embed_tokens"]
     defer_weights([layers[p] for p in prefixes])
     return {p + ".weight" for p in prefixes}
 

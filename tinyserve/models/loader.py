@@ -149,12 +149,8 @@ def load_model(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
     )  # fmt: skip
-    if rows_from_head:  # the table is the head's kernel copy (exactly: not int8's rounding)
-        net.model.embed_tokens.rows_from_head()
-    if use_kernels and quantization == "bf16":
-        net.model.embed_tokens.hold_bf16()  # (a tied head is the kernel's own bf16 copy)
-    if use_kernels:  # (a float32 model: its torch layers take float32 weights)
-        linear.widen_torch_weights(list(net.linear_layers().values()))
+    if use_kernels:
+        _settle_tables(net, quantization, rows_from_head)
     if any(p.is_meta for p in net.parameters()):  # a held layer the kernels did not take
         raise RuntimeError(f"{source.path}: weights left unloaded: a bug in the loader")
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
@@ -198,6 +194,19 @@ def _report_methods(
         net.attention_method.name + _products_unit(net),
         net.model.step_plan is not None,
     )
+
+
+def _settle_tables(net: LlamaForCausalLM, quantization: str | None, rows_from_head: bool) -> None:
+    """After the methods (a float32 model on the kernels): the embedding's table read from a
+    tied head's kernel copy where that is the table exactly (not int8's rounding), else held
+    in bf16 beside bf16 weights; a layer left on torch's GEMM gets float32 weights back."""
+    from tinyserve.layers import linear
+
+    if rows_from_head:
+        net.model.embed_tokens.rows_from_head()
+    if quantization == "bf16":
+        net.model.embed_tokens.hold_bf16()
+    linear.widen_torch_weights(list(net.linear_layers().values()))
 
 
 def _held_blocks(net: LlamaForCausalLM, packed: dict, rows_from_head: bool) -> set[str]:

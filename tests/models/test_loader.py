@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tinyserve.kernels.rows import kernel_rows
+from tests.support.kernels import held_weight
 from tinyserve.models.loader import load_model
 from tinyserve.testing.checkpoints import (
     LLAMA3_ROPE,
@@ -59,9 +59,28 @@ def test_sharded_checkpoint_loads_like_single_file(llama_hf, llama_dir, tmp_path
     ours, _ = load_model(sharded, dtype=torch.float32)
     for (name, p1), (_, p2) in zip(single.named_parameters(), ours.named_parameters(), strict=True):
         assert torch.equal(p1, p2), name
+    for name, layer in single.linear_layers().items():
+        assert torch.equal(held_weight(layer), held_weight(ours.linear_layers()[name])), name
     expected = our_logits(single)
     assert torch.equal(our_logits(ours), expected)
     torch.testing.assert_close(expected, hf_logits(llama_hf, TOKENS), atol=1e-4, rtol=0)
+
+
+def test_the_float32_kernels_hold_each_weight_once(llama_hf, llama_dir):
+    """A dense float32 checkpoint on the float32 kernels: each matmul's weight is held once,
+    in gemm.c's layout (the loader's copy freed; the tied table read from the head's copy),
+    and those copies are the checkpoint's tensors exactly."""
+    from tinyserve.layers.linear import on_torch
+
+    ours, _ = load_model(llama_dir, dtype=torch.float32)
+    layers = ours.linear_layers()
+    if any(on_torch(m) for m in layers.values()):
+        pytest.skip("the CPU kernels are not built here")
+    assert all(m.weight.numel() == 0 for m in layers.values())
+    assert ours.model.embed_tokens.rows_from is not None
+    for name, want in llama_hf.state_dict().items():
+        if name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
+            assert torch.equal(_our_weight(ours, name), want), name
 
 
 def test_sharded_checkpoint_with_a_missing_shard(llama_hf, tmp_path):
@@ -203,8 +222,8 @@ def _our_weight(model, hf_name: str) -> torch.Tensor:
         target = "model.embed_tokens.weight"
     p = dict(model.named_parameters())[target]
     owner = dict(model.named_modules())[target.rsplit(".", 1)[0]]
-    if getattr(owner, "rows_from", None) is not None:  # a tied table read from the head's kernel
-        return kernel_rows(owner.rows_from, torch.arange(owner.rows_from.shape[0]))
+    if target.endswith(".weight"):  # (the kernels' copy where the loader freed its own)
+        p = held_weight(owner)
     if shard is not None:
         owner = dict(model.named_modules())[target.rsplit(".", 1)[0]]
         p = p.narrow(0, *owner.shard_rows(shard))

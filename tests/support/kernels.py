@@ -47,3 +47,18 @@ def logits_gap(reference, model, tokens=tuple(range(3, 40)), steps: int = 20) ->
     a = PagedRunner(reference, 4, num_blocks=32).prefill_then_decode(list(tokens), steps)
     b = PagedRunner(model, 4, num_blocks=32).prefill_then_decode(list(tokens), steps)
     return float((a - b).abs().max() / (a.max() - a.min()))
+
+
+def held_weight(layer):
+    """The float32 weight a loaded layer computes with: its parameter, or — where the kernels
+    hold the only copy (the loader frees its own) — the rows of the kernel's."""
+    import torch
+
+    from tinyserve.kernels.rows import kernel_rows
+
+    kernel = getattr(layer, "rows_from", None) or getattr(
+        getattr(layer, "method", None), "kernel", None
+    )
+    if layer.weight.numel() or kernel is None:
+        return layer.weight.detach()
+    return kernel_rows(kernel, torch.arange(kernel.shape[0]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.support.kernels import held_weight
 from tinyserve.distributed.parallel_state import init_tp_group
 from tinyserve.models.loader import load_model
 from tinyserve.testing.paged_runner import PagedRunner
@@ -25,7 +26,7 @@ def teacher_forced_logits(rank, size, init_method, model_path, tokens, prompt_le
                     "logits": logits,
                     "all_reduces": group.num_all_reduces,
                     "steps": steps,
-                    "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0],
+                    "qkv_rows": held_weight(model.model.layers[0].self_attn.qkv_proj).shape[0],
                     "kv_heads": runner.kv_caches[0][0].shape[2],
                 },
                 out_path,

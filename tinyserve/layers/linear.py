@@ -195,8 +195,7 @@ def choose_linear_methods(
                 w = gemm.from_dense(layer.weight.data)
             if w is not None and w.shape == tuple(layer.weight.shape):
                 method = PackedMethod(w, int8_decode and own_blocks, bf16 and own_blocks)
-                if w.kind != gemm.F32:
-                    _drop_float_copy(layer)
+                _drop_float_copy(layer)
         layer.set_method(method)
         counts[method.name] = counts.get(method.name, 0) + 1
     return counts
@@ -209,10 +208,10 @@ def on_torch(layer: nn.Module) -> bool:
 
 
 def _drop_float_copy(layer: nn.Module) -> None:
-    """A layer whose kernel holds its own copy of a dense weight (bf16, int8) frees the
-    one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5 of
-    bf16): the linears and an untied head, not the embedding, whose rows the lookup reads
-    (a tied head)."""
+    """A layer whose kernel holds its own copy of its weight (gemm.c's layout: float32,
+    bf16, int8, a GGUF's blocks) frees the one it was loaded into (a Llama-3.2-1B held 4.9
+    GB of float32 twice on the float32 kernels until 2026-12-07): the linears and an untied
+    head, not the embedding, whose table a tied head's lookup reads (rows_from_head)."""
     if isinstance(layer, LinearBase | ParallelLMHead):
         layer.weight = _param(0, dtype=layer.weight.dtype)
 

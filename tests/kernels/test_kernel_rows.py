@@ -39,17 +39,39 @@ def _weights(n: int, k: int) -> dict[str, gemm.PackedWeight]:
 
 
 @needs_kernels
+@pytest.mark.parametrize("width", [8, 16])  # AVX2's and AVX-512's group widths
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q8_0", "q4_1"])
-def test_kernel_rows_equal_the_held_weights_rows(kind):
+def test_kernel_rows_equal_the_held_weights_rows(kind, width):
     n, k = 203, 96  # 203 outputs: a padded last group at either group width
     pw = _weights(n, k)[kind]
+    kw = gemm.KernelWeight.of(pw, width)
     ids = torch.tensor([0, 202, 5, 5, 17, 200, 1, 16, 15, 31, 32, 191, 192])
     want = pw.dequantize()[ids]
     for rows in (kernel_rows, kernel_rows_reference):
-        got = rows(pw.kernel, ids)
+        got = rows(kw, ids)
         assert got.dtype == torch.float32 and torch.equal(got, want), rows.__name__
-    assert torch.equal(kernel_rows(pw.kernel, ids[:1]), want[:1])  # a decode step's one row
-    assert kernel_rows(pw.kernel, ids[:0]).shape == (0, k)
+        assert torch.equal(rows(kw, ids.view(13, 1)), want.view(13, 1, k))  # F.embedding's shape
+        for bad in (-1, n, 207):  # (207: in the padded last group's zeros)
+            with pytest.raises(IndexError, match="outside"):
+                rows(kw, torch.tensor([3, bad]))
+    assert torch.equal(kernel_rows(kw, ids[:1]), want[:1])  # a decode step's one row
+    assert kernel_rows(kw, ids[:0]).shape == (0, k)
+
+
+def test_a_gguf_loads_on_torch_where_the_kernels_are_not_built(tmp_path, monkeypatch):
+    """Without the kernels (another CPU, no compiler) a GGUF's blocks are dequantised and
+    served by torch's GEMM, the table held as before: nothing deferred for kernels that
+    will not take it."""
+    from tinyserve.layers.linear import on_torch
+    from tinyserve.testing.checkpoints import build_hf, llama_config
+    from tinyserve.testing.gguf_writer import write_gguf
+
+    path = tmp_path / "q.gguf"
+    write_gguf(build_hf(llama_config()), path, {"token_embd": "Q8_0", "attn_q": "Q4_1"})
+    monkeypatch.setattr(gemm, "available", lambda: False)
+    net, _ = load_model(path, torch.float32)
+    assert all(on_torch(m) for m in net.linear_layers().values())
+    assert net.model.embed_tokens.rows_from is None and net.model.embed_tokens.weight.numel()
 
 
 @needs_kernels

@@ -83,6 +83,17 @@ def test_the_float32_kernels_hold_each_weight_once(llama_hf, llama_dir):
             assert torch.equal(_our_weight(ours, name), want), name
 
 
+def test_checkpoint_dtype_reads_every_shard(tmp_path):
+    """One dtype for the 2-D weights of every shard, else None: an int8 load narrows to a
+    checkpoint's 16-bit type only where no shard stores wider weights (exact copies)."""
+    from tinyserve.models.loader import checkpoint_dtype
+
+    hf = build_hf(llama_config()).to(torch.bfloat16)  # (not the module's fixture: .to is in place)
+    assert checkpoint_dtype(save_hf(hf, tmp_path / "bf16", max_shard_size="20KB")) == torch.bfloat16
+    hf.model.layers[-1].mlp.down_proj.to(torch.float32)  # in a later shard than the first
+    assert checkpoint_dtype(save_hf(hf, tmp_path / "mixed", max_shard_size="20KB")) is None
+
+
 def test_sharded_checkpoint_with_a_missing_shard(llama_hf, tmp_path):
     sharded = save_hf(llama_hf, tmp_path / "sharded", max_shard_size="20KB")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())

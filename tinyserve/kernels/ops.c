@@ -168,9 +168,12 @@ void logprob_rows(const float *logits, int64_t rows, int64_t V, const int64_t *t
 // copy read as the embedding table) into out [T, K] floats, the values the loader's copy held:
 // kind 0 Q4_1 d * q + m (two roundings: -ffp-contract=off), 1 Q8_0 d * q, 2 float32, 3 bf16
 // pairs (weight p in a word's low half, p + 16 in its high half). gw: outputs per group.
-void kernel_rows(int kind, const void *qs, const float *d, const float *m, int64_t K, int gw,
-                 const int64_t *ids, int64_t T, float *out) {
+// Returns 0, or -1 (nothing written) for an id outside [0, N).
+int kernel_rows(int kind, const void *qs, const float *d, const float *m, int64_t N, int64_t K,
+                int gw, const int64_t *ids, int64_t T, float *out) {
     const int64_t nb = K / 32;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
     for (int64_t t = 0; t < T; t++) {
         const int64_t g = ids[t] / gw, lane = ids[t] % gw;
         float *o = out + t * K;
@@ -195,4 +198,5 @@ void kernel_rows(int kind, const void *qs, const float *d, const float *m, int64
             }
         }
     }
+    return 0;
 }

@@ -25,8 +25,8 @@ def library() -> ctypes.CDLL | None:
         lib.rms_norm.restype = lib.silu_and_mul.restype = None
         lib.logprob_rows.argtypes = [p, i64, i64, p, i32, p, p, p, p, i32]
         lib.logprob_rows.restype = None
-        lib.kernel_rows.argtypes = [i32, p, p, p, i64, i32, p, i64, p]
-        lib.kernel_rows.restype = None
+        lib.kernel_rows.argtypes = [i32, p, p, p, i64, i64, i32, p, i64, p]
+        lib.kernel_rows.restype = i32
     return lib
 
 

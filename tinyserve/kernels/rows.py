@@ -17,17 +17,20 @@ KINDS = (BF16, F32, Q4_1, Q8_0)  # the kinds whose rows are read
 
 
 def kernel_rows(w: KernelWeight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` [T] (int64) of the [N, K] weight as float32 [T, K] (see the reference)."""
+    """Rows ``ids`` (int64, any shape) of the [N, K] weight as float32 [*ids.shape, K], as
+    F.embedding gives a table's (an id outside [0, N): IndexError). See the reference."""
     lib = ops.library()
     if lib is None:
         return kernel_rows_reference(w, ids)
     if w.kind not in KINDS:
         raise ValueError(f"kernel_rows: no rows of {w.kind} weights")
-    ids = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(ids.numel(), w.shape[1], dtype=torch.float32)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(*ids.shape, w.shape[1], dtype=torch.float32)
     ptr = [None if t is None else ctypes.c_void_p(t.data_ptr()) for t in (w.d, w.m)]
-    lib.kernel_rows(_KIND_IDS[w.kind], w.qs.data_ptr(), *ptr, w.shape[1], w.qs.shape[-1],
-                    ids.data_ptr(), ids.numel(), out.data_ptr())  # fmt: skip
+    rc = lib.kernel_rows(_KIND_IDS[w.kind], w.qs.data_ptr(), *ptr, w.shape[0], w.shape[1],
+                         w.qs.shape[-1], flat.data_ptr(), flat.numel(), out.data_ptr())  # fmt: skip
+    if rc:
+        raise IndexError(f"kernel_rows: an id outside [0, {w.shape[0]})")
     return out
 
 
@@ -36,6 +39,13 @@ def kernel_rows_reference(w: KernelWeight, ids: torch.Tensor) -> torch.Tensor:
     Q4_1 ``d * q + m`` (float32, two roundings: GGUF's dequantiser, PackedWeight.dequantize)."""
     if w.kind not in KINDS:
         raise ValueError(f"kernel_rows: no rows of {w.kind} weights")
+    if ids.numel() and (ids.min() < 0 or ids.max() >= w.shape[0]):
+        raise IndexError(f"kernel_rows: an id outside [0, {w.shape[0]})")
+    shape, ids = ids.shape, ids.reshape(-1)
+    return _reference_rows(w, ids).reshape(*shape, w.shape[1])
+
+
+def _reference_rows(w: KernelWeight, ids: torch.Tensor) -> torch.Tensor:
     k = w.shape[1]
     gw = w.qs.shape[-1]
     g, lane = ids // gw, ids % gw

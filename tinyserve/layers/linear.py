@@ -229,7 +229,7 @@ def defer_weights(layers: list[nn.Module]) -> None:
 
 def narrow_weights(layers: list[nn.Module], dtype: torch.dtype) -> None:
     """Before loading a dense checkpoint whose matmuls the kernels will hold as bf16 or int8:
-    each weight allocated in ``dtype`` (the checkpoint's own 16-bit type, or bf16 for bf16
+    each weight (and the embedding table) allocated in ``dtype`` (the checkpoint's own 16-bit type, or bf16 for bf16
     weights: rounded on the copy to nearest even, as from_dense_bf16 rounds), so that the
     model never exists in float32 — the load's peak was the float32 model (twice a bf16
     checkpoint: a Llama-3.1-8B's 16 GB needed 32). Biases stay float32, and so do weights

@@ -118,6 +118,7 @@ def load_model(
     ``kernel_activations``: "bfloat16" rounds the other rows' activations to bf16 on those
     blocks (AVX512-BF16; "auto" picks it where the CPU has it). ``fused_step``: all layers in
     one C call where every layer is on the kernels. The tokenizer is separate."""
+    from tinyserve.kernels import gemm
     from tinyserve.layers import linear
 
     linear.check_quantization(quantization, cpu_kernels, dtype, device)
@@ -132,9 +133,8 @@ def load_model(
     if narrow is not None:  # the matmuls' weights never in float32 (their kernels' own copy)
         layers = {id(m): m for m in (*net.linear_layers().values(), net.model.embed_tokens)}
         linear.narrow_weights(list(layers.values()), narrow)
-    packed = (
-        ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
-    )
+    blocks = use_kernels and ckpt is not None and net.tp.size == 1 and gemm.available()
+    packed = ckpt.packed_blocks(net) if blocks else {}
     rows_from_head = use_kernels and config.tie_word_embeddings and quantization != "int8"
     held = _held_blocks(net, packed, rows_from_head)
     if ckpt is not None:
@@ -202,10 +202,11 @@ def _settle_tables(net: LlamaForCausalLM, quantization: str | None, rows_from_he
     in bf16 beside bf16 weights; a layer left on torch's GEMM gets float32 weights back."""
     from tinyserve.layers import linear
 
+    embed = net.model.embed_tokens
     if rows_from_head:
-        net.model.embed_tokens.rows_from_head()
-    if quantization == "bf16":
-        net.model.embed_tokens.hold_bf16()
+        embed.rows_from_head()
+    if quantization == "bf16" and not linear.on_torch(embed):  # (a tied head of K % 32:
+        embed.hold_bf16()  # float32 on torch's GEMM, as any layer the kernels do not take)
     linear.widen_torch_weights(list(net.linear_layers().values()))
 
 
@@ -238,18 +239,20 @@ def _load_dtype(source: ModelSource, quantization: str | None) -> torch.dtype | 
 
 
 def checkpoint_dtype(model) -> torch.dtype | None:
-    """The one dtype a safetensors checkpoint stores its 2-D weights in (read from the first
+    """The one dtype a safetensors checkpoint stores its 2-D weights in (read from every
     file's header, not config.json's say-so), or None (a GGUF, mixed, unreadable)."""
     from safetensors import safe_open
 
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     files = sorted(source.path.glob("*.safetensors")) if source.kind == "safetensors" else []
     names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    kinds = set()
     try:
-        with safe_open(str(files[0]), "pt") as f:
-            tensors = [f.get_slice(k) for k in f.keys()]
-            kinds = {t.get_dtype() for t in tensors if len(t.get_shape()) == 2}
-    except (IndexError, OSError, ValueError):
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                tensors = [f.get_slice(k) for k in f.keys()]
+                kinds |= {t.get_dtype() for t in tensors if len(t.get_shape()) == 2}
+    except (OSError, ValueError):
         return None
     return names.get(kinds.pop()) if len(kinds) == 1 else None
 

@@ -66,18 +66,17 @@ def test_sharded_checkpoint_loads_like_single_file(llama_hf, llama_dir, tmp_path
     torch.testing.assert_close(expected, hf_logits(llama_hf, TOKENS), atol=1e-4, rtol=0)
 
 
-def test_the_float32_kernels_hold_each_weight_once(llama_hf, llama_dir):
-    """A dense float32 checkpoint on the float32 kernels: each matmul's weight is held once,
-    in gemm.c's layout (the loader's copy freed; the tied table read from the head's copy),
-    and those copies are the checkpoint's tensors exactly."""
+def test_a_tied_head_on_the_float32_kernels_is_the_table(llama_hf, llama_dir):
+    """A dense float32 checkpoint on the float32 kernels: the tied table is not held beside
+    the head's kernel copy (the lookup reads that), and every weight the model computes
+    with is the checkpoint's tensor exactly."""
     from tinyserve.layers.linear import on_torch
 
     ours, _ = load_model(llama_dir, dtype=torch.float32)
-    layers = ours.linear_layers()
-    if any(on_torch(m) for m in layers.values()):
+    if any(on_torch(m) for m in ours.linear_layers().values()):
         pytest.skip("the CPU kernels are not built here")
-    assert all(m.weight.numel() == 0 for m in layers.values())
-    assert ours.model.embed_tokens.rows_from is not None
+    embed = ours.model.embed_tokens
+    assert embed.rows_from is not None and embed.weight.numel() == 0
     for name, want in llama_hf.state_dict().items():
         if name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
             assert torch.equal(_our_weight(ours, name), want), name

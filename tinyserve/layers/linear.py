@@ -195,7 +195,8 @@ def choose_linear_methods(
                 w = gemm.from_dense(layer.weight.data)
             if w is not None and w.shape == tuple(layer.weight.shape):
                 method = PackedMethod(w, int8_decode and own_blocks, bf16 and own_blocks)
-                _drop_float_copy(layer)
+                if w.kind != gemm.F32 and not own_blocks:
+                    _drop_float_copy(layer)
         layer.set_method(method)
         counts[method.name] = counts.get(method.name, 0) + 1
     return counts
@@ -208,23 +209,14 @@ def on_torch(layer: nn.Module) -> bool:
 
 
 def _drop_float_copy(layer: nn.Module) -> None:
-    """A layer whose kernel holds its own copy of its weight (gemm.c's layout: float32,
-    bf16, int8, a GGUF's blocks) frees the one it was loaded into (a Llama-3.2-1B held 4.9
-    GB of float32 twice on the float32 kernels until 2026-12-07): the linears and an untied
-    head, not the embedding, whose table a tied head's lookup reads (rows_from_head)."""
+    """A layer whose kernel holds its own copy of a dense weight (bf16, int8) frees the
+    one it was loaded into (a Llama-3.2-1B would hold 4.9 GB of float32 beside 2.5 of
+    bf16): the linears and an untied head, not the embedding, whose table a tied head's
+    lookup reads. A float32 kernel weight or a GGUF's own blocks keep the loaded float32
+    copy: freeing it (2026-12-07, 4e1d6dd and ac94872) made the default model's decode
+    step 1.4-1.7x slower on a Zen 4 VM, measured and not understood (docs/architecture.md)."""
     if isinstance(layer, LinearBase | ParallelLMHead):
         layer.weight = _param(0, dtype=layer.weight.dtype)
-
-
-def defer_weights(layers: list[nn.Module]) -> None:
-    """Before loading a GGUF: the weights the kernels will hold as the checkpoint's own blocks
-    get no float copy at all (a meta tensor: the shape, no memory; the loader skips their
-    tensors without dequantising them). Until 2026-12-07 every layer was dequantised into
-    float32 and kept beside its blocks: SmolLM2-135M's Q4_1 file held 538 MB of float32."""
-    for layer in layers:
-        layer.weight = nn.Parameter(
-            torch.empty(layer.weight.shape, device="meta"), requires_grad=False
-        )
 
 
 def narrow_weights(layers: list[nn.Module], dtype: torch.dtype) -> None:

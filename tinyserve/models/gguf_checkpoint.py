@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -105,20 +105,13 @@ class GGUFCheckpoint:
                 "that cannot be dequantised"
             ) from e
 
-    def iter_tensors(
-        self, config: ModelConfig, skip: Callable[[str], bool] = lambda name: False
-    ) -> Iterator[tuple[str, torch.Tensor | None, str]]:
-        """(HF name, dequantised tensor, file); None for the names ``skip`` picks (weights
-        the kernels hold as the checkpoint's own blocks: not dequantised at all)."""
+    def iter_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
         for name, t in self.tensors.items():
             if name in ROPE_TENSORS:
                 continue
             hf_name = gguf_to_hf_name(name, self.arch)
             if hf_name is None:
                 logger.warning("%s: ignoring unknown GGUF tensor %s", self.path.name, name)
-                continue
-            if skip(hf_name):
-                yield hf_name, None, self.path.name
                 continue
             w = self._dequantize(t)
             if self.arch in GGUF_PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):

@@ -23,7 +23,7 @@ from tinyserve.models.gguf_checkpoint import GGUFCheckpoint
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.models.registry import model_class
 from tinyserve.models.source import ModelSource, resolve_model_source
-from tinyserve.models.weights import iter_safetensors, load_weights, map_checkpoint_name
+from tinyserve.models.weights import iter_safetensors, load_weights
 
 __all__ = [
     "ModelSource",
@@ -133,26 +133,25 @@ def load_model(
     if narrow is not None:  # the matmuls' weights never in float32 (their kernels' own copy)
         layers = {id(m): m for m in (*net.linear_layers().values(), net.model.embed_tokens)}
         linear.narrow_weights(list(layers.values()), narrow)
-    blocks = use_kernels and ckpt is not None and net.tp.size == 1 and gemm.available()
-    packed = ckpt.packed_blocks(net) if blocks else {}
-    rows_from_head = use_kernels and config.tie_word_embeddings and quantization != "int8"
-    held = _held_blocks(net, packed, rows_from_head)
+    # A GGUF's every tensor is dequantised and loaded, and the copies the kernels do not read
+    # are freed after (choose_linear_methods): loading only the others (2026-12-07, 4e1d6dd)
+    # left the default model's decode step 1.4-1.7x slower on a Zen 4, a matter of where its
+    # kernel weights then landed in memory (docs/architecture.md).
     if ckpt is not None:
-        tensors = ckpt.iter_tensors(config, skip=lambda name: _param_of(name) in held)
+        tensors = ckpt.iter_tensors(config)
     else:
         tensors = iter_safetensors(source.path)
     load_weights(net, _with_progress(tensors, config), str(source.path), ckpt is not None)
-    if torch.device(device).type != "cpu":  # (meta weights only ever on the CPU kernels)
-        net = net.to(device)
-    net.eval()
+    net = net.to(device).eval()
+    blocks = use_kernels and ckpt is not None and net.tp.size == 1 and gemm.available()
+    packed = ckpt.packed_blocks(net) if blocks else {}
+    rows_from_head = use_kernels and config.tie_word_embeddings and quantization != "int8"
     counts = linear.choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
     )  # fmt: skip
     if use_kernels:
         _settle_tables(net, quantization, rows_from_head)
-    if any(p.is_meta for p in net.parameters()):  # a held layer the kernels did not take
-        raise RuntimeError(f"{source.path}: weights left unloaded: a bug in the loader")
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
     _report_methods(net, counts, decode_activations, kernel_activations, quantization)
     return net, source
@@ -208,23 +207,6 @@ def _settle_tables(net: LlamaForCausalLM, quantization: str | None, rows_from_he
     if quantization == "bf16" and not linear.on_torch(embed):  # (a tied head of K % 32:
         embed.hold_bf16()  # float32 on torch's GEMM, as any layer the kernels do not take)
     linear.widen_torch_weights(list(net.linear_layers().values()))
-
-
-def _held_blocks(net: LlamaForCausalLM, packed: dict, rows_from_head: bool) -> set[str]:
-    """The weights (parameter names) the kernels will hold as a GGUF's own blocks, deferred
-    (linear.defer_weights) so that they are never dequantised: all of them, a tied head's
-    too where the lookup reads its rows from the kernel's copy (``rows_from_head``)."""
-    from tinyserve.layers.linear import defer_weights
-
-    layers = net.linear_layers()
-    prefixes = [p for p in packed if rows_from_head or p != "model.embed_tokens"]
-    defer_weights([layers[p] for p in prefixes])
-    return {p + ".weight" for p in prefixes}
-
-
-def _param_of(hf_name: str) -> str:
-    """The parameter a checkpoint tensor fills (a fused one for q/k/v and gate/up)."""
-    return map_checkpoint_name(hf_name)[0]
 
 
 def _load_dtype(source: ModelSource, quantization: str | None) -> torch.dtype | None:

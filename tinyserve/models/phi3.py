@@ -71,15 +71,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor, file
                 continue
             names, sizes = split[fused]
-            i = parts.index(fused)
-            if tensor is None:  # skipped by the loader (models/weights.py): its parts too
-                for part in names:
-                    yield ".".join(parts[:i] + [part] + parts[i + 1 :]), None, file
-                continue
             if tensor.shape[0] != sum(sizes):
                 raise ValueError(f"{file}: tensor {name} has {tensor.shape[0]} rows; the "
                                  f"config expects {sum(sizes)} ({' + '.join(map(str, sizes))})")  # fmt: skip
             if fused == "qkv_proj" and order is not None:
                 tensor = tensor[order]
+            i = parts.index(fused)
             for part, piece in zip(names, tensor.split(sizes), strict=True):
                 yield ".".join(parts[:i] + [part] + parts[i + 1 :]), piece.contiguous(), file

@@ -114,12 +114,8 @@ def load_weights(
             continue
         prefix, leaf = target.rsplit(".", 1)
         owner = modules[prefix]
-        if tensor is None and not params[target].is_meta:  # (None: a weight the kernels hold)
-            raise ValueError(f"{file}: tensor {name} was skipped but {target} expects it")
         try:
-            if tensor is None:  # held by the kernels as the checkpoint's blocks: not copied
-                pass
-            elif hasattr(owner, "weight_loader"):
+            if hasattr(owner, "weight_loader"):
                 owner.weight_loader(leaf, tensor, shard)
             else:
                 copy_weight(getattr(owner, leaf).data, tensor)

@@ -2,8 +2,7 @@
 kernel copy serves as the table): ops.c's kernel_rows and its torch reference both equal the
 rows of the weight the loader held (PackedWeight.dequantize: bf16 and float32 as they are,
 Q8_0 d * q, Q4_1 d * q + m), for every kind, a padded last group, repeated ids; and through
-the loader a tied head's table is not held while the model's
-lookups give the same rows."""
+the loader a tied head's table is not held while the model's lookups give the same rows."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def test_kernel_rows_equal_the_held_weights_rows(kind, width):
 
 def test_a_gguf_loads_on_torch_where_the_kernels_are_not_built(tmp_path, monkeypatch):
     """Without the kernels (another CPU, no compiler) a GGUF's blocks are dequantised and
-    served by torch's GEMM, the table held as before: nothing deferred for kernels that
-    will not take it."""
+    served by torch's GEMM, the table held and read as before (no head kernel to read)."""
     from tinyserve.layers.linear import on_torch
     from tinyserve.testing.checkpoints import build_hf, llama_config
     from tinyserve.testing.gguf_writer import write_gguf

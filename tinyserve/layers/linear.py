@@ -221,9 +221,9 @@ def _drop_float_copy(layer: nn.Module) -> None:
 
 def narrow_weights(layers: list[nn.Module], dtype: torch.dtype) -> None:
     """Before loading a dense checkpoint whose matmuls the kernels will hold as bf16 or int8:
-    each weight (and the embedding table) allocated in ``dtype`` (the checkpoint's own 16-bit type, or bf16 for bf16
-    weights: rounded on the copy to nearest even, as from_dense_bf16 rounds), so that the
-    model never exists in float32 — the load's peak was the float32 model (twice a bf16
+    each weight (and the embedding table) allocated in ``dtype`` (the checkpoint's own
+    16-bit type, or bf16 for bf16 weights: rounded on the copy to nearest even, as
+    from_dense_bf16 rounds), so that the model never exists in float32 — the load's peak was the float32 model (twice a bf16
     checkpoint: a Llama-3.1-8B's 16 GB needed 32). Biases stay float32, and so do weights
     of a width the kernels do not take (K % 32: torch's GEMM, float32 as before)."""
     for layer in layers:
@@ -364,7 +364,7 @@ class VocabParallelEmbedding(nn.Module):
     def rows_from_head(self) -> None:
         """A tied head on the kernels whose weight is the table exactly (a GGUF's own blocks,
         bf16 weights, float32; not int8 of --quantization int8): lookups read the kernel's
-        copy (kernels/rows.py) and the table is freed (or never loaded: a GGUF's)."""
+        copy (kernels/rows.py) and the table is freed."""
         if isinstance(self.method, PackedMethod) and self.method.kernel.kind in ROW_KINDS:
             self.rows_from = self.method.kernel
             self.weight = _param(0, dtype=torch.float32)

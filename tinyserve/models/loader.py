@@ -118,7 +118,6 @@ def load_model(
     ``kernel_activations``: "bfloat16" rounds the other rows' activations to bf16 on those
     blocks (AVX512-BF16; "auto" picks it where the CPU has it). ``fused_step``: all layers in
     one C call where every layer is on the kernels. The tokenizer is separate."""
-    from tinyserve.kernels import gemm
     from tinyserve.layers import linear
 
     linear.check_quantization(quantization, cpu_kernels, dtype, device)
@@ -133,18 +132,19 @@ def load_model(
     if narrow is not None:  # the matmuls' weights never in float32 (their kernels' own copy)
         layers = {id(m): m for m in (*net.linear_layers().values(), net.model.embed_tokens)}
         linear.narrow_weights(list(layers.values()), narrow)
-    # A GGUF's every tensor is dequantised and loaded, and the copies the kernels do not read
-    # are freed after (choose_linear_methods): loading only the others (2026-12-07, 4e1d6dd)
-    # left the default model's decode step 1.4-1.7x slower on a Zen 4, a matter of where its
-    # kernel weights then landed in memory (docs/architecture.md).
+    # A GGUF's every tensor is dequantised and loaded, and a layer the kernels then serve
+    # from its own blocks keeps that float32 copy: not loading it (2026-12-07, 4e1d6dd) or
+    # freeing it (ac94872) left the default model's decode step 1.4-1.7x slower on a Zen 4
+    # VM, for no reason found (docs/architecture.md).
     if ckpt is not None:
         tensors = ckpt.iter_tensors(config)
     else:
         tensors = iter_safetensors(source.path)
     load_weights(net, _with_progress(tensors, config), str(source.path), ckpt is not None)
     net = net.to(device).eval()
-    blocks = use_kernels and ckpt is not None and net.tp.size == 1 and gemm.available()
-    packed = ckpt.packed_blocks(net) if blocks else {}
+    packed = (
+        ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
+    )
     rows_from_head = use_kernels and config.tie_word_embeddings and quantization != "int8"
     counts = linear.choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,

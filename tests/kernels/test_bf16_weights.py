@@ -159,3 +159,20 @@ def test_quantized_loads_never_hold_the_matmuls_in_float32(
     assert rows.dtype == torch.float32 and torch.equal(rows, want)
     gap = logits_gap(fp32, net)
     assert 0 < gap < 0.05, gap
+
+
+@needs_bf16
+def test_an_untied_gguf_table_is_held_in_bf16_beside_bf16_weights(tmp_path):
+    """--quantization bf16 on a GGUF with an untied head: the embedding's table (not a head,
+    so never on the kernels) is held in bf16 as before, its rows the float32 table's rounded."""
+    from tinyserve.testing.checkpoints import build_hf, llama_config
+    from tinyserve.testing.gguf_writer import write_gguf
+
+    path = tmp_path / "untied.gguf"
+    write_gguf(build_hf(llama_config(tie_word_embeddings=False)), path, {"ffn_up": "Q8_0"})
+    net, _ = load_model(path, torch.float32, quantization="bf16")
+    ref, _ = load_model(path, torch.float32)
+    assert net.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = torch.arange(50)
+    want = ref.model.embed_tokens(ids).to(torch.bfloat16).float()
+    assert torch.equal(net.model.embed_tokens(ids), want)

@@ -204,8 +204,9 @@ def _settle_tables(net: LlamaForCausalLM, quantization: str | None, rows_from_he
     embed = net.model.embed_tokens
     if rows_from_head:
         embed.rows_from_head()
-    if quantization == "bf16" and not linear.on_torch(embed):  # (a tied head of K % 32:
-        embed.hold_bf16()  # float32 on torch's GEMM, as any layer the kernels do not take)
+    torch_head = net.config.tie_word_embeddings and linear.on_torch(embed)  # (K % 32: float32
+    if quantization == "bf16" and not torch_head:  # on torch, as any layer the kernels skip)
+        embed.hold_bf16()
     linear.widen_torch_weights(list(net.linear_layers().values()))
 
 

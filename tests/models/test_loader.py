@@ -235,7 +235,6 @@ def _our_weight(model, hf_name: str) -> torch.Tensor:
     if target.endswith(".weight"):  # (the kernels' copy where the loader freed its own)
         p = held_weight(owner)
     if shard is not None:
-        owner = dict(model.named_modules())[target.rsplit(".", 1)[0]]
         p = p.narrow(0, *owner.shard_rows(shard))
     return p
 

@@ -231,14 +231,6 @@ def narrow_weights(layers: list[nn.Module], dtype: torch.dtype) -> None:
             layer.weight = _param(*layer.weight.shape, dtype=dtype)
 
 
-def widen_torch_weights(layers: list[nn.Module]) -> None:
-    """After choose_linear_methods (and the embedding's hold_bf16): a layer left on torch's
-    GEMM (a tied head of K % 32) gets a float32 weight back, as F.linear's x is float32."""
-    for layer in layers:
-        if not isinstance(layer.method, PackedMethod) and layer.weight.dtype != torch.float32:
-            layer.weight = nn.Parameter(layer.weight.data.float(), requires_grad=False)
-
-
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by the loader (missing ones are an error).
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)

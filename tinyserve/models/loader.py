@@ -145,13 +145,12 @@ def load_model(
     packed = (
         ckpt.packed_blocks(net) if use_kernels and ckpt is not None and net.tp.size == 1 else {}
     )
-    rows_from_head = use_kernels and config.tie_word_embeddings and quantization != "int8"
     counts = linear.choose_linear_methods(
         net.linear_layers(), packed, use_kernels, quantization, decode_activations,
         kernel_activations,
     )  # fmt: skip
     if use_kernels:
-        _settle_tables(net, quantization, rows_from_head)
+        _settle_tables(net, quantization)
     _use_kernel_attention_and_step(net, use_kernels, fused_step)
     _report_methods(net, counts, decode_activations, kernel_activations, quantization)
     return net, source
@@ -195,19 +194,18 @@ def _report_methods(
     )
 
 
-def _settle_tables(net: LlamaForCausalLM, quantization: str | None, rows_from_head: bool) -> None:
-    """After the methods (a float32 model on the kernels): the embedding's table read from a
-    tied head's kernel copy where that is the table exactly (not int8's rounding), else held
-    in bf16 beside bf16 weights; a layer left on torch's GEMM gets float32 weights back."""
+def _settle_tables(net: LlamaForCausalLM, quantization: str | None) -> None:
+    """After the methods (a float32 model on the kernels): a tied table read from the head's
+    kernel copy where that is the table exactly (not int8's rounding), else held in bf16
+    beside bf16 weights (not a tied head of K % 32: float32 on torch's GEMM, as any layer the
+    kernels do not take)."""
     from tinyserve.layers import linear
 
-    embed = net.model.embed_tokens
-    if rows_from_head:
+    embed, tied = net.model.embed_tokens, net.config.tie_word_embeddings
+    if tied and quantization != "int8":
         embed.rows_from_head()
-    torch_head = net.config.tie_word_embeddings and linear.on_torch(embed)  # (K % 32: float32
-    if quantization == "bf16" and not torch_head:  # on torch, as any layer the kernels skip)
+    if quantization == "bf16" and not (tied and linear.on_torch(embed)):
         embed.hold_bf16()
-    linear.widen_torch_weights(list(net.linear_layers().values()))
 
 
 def _load_dtype(source: ModelSource, quantization: str | None) -> torch.dtype | None:

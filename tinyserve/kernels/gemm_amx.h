@@ -63,6 +63,13 @@ INLINE void amx_pack_block(const weight_t *w, int64_t g, int64_t b, uint32_t *ds
 }
 #endif
 
+// Groups [g0, g1)'s blocks as B tiles into dst [g1 - g0, K/2, GW]: a group's block b at
+// b * 16 * GW.
+static void amx_pack(const weight_t *w, int64_t g0, int64_t g1, uint32_t *dst) {
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < w->nb; b++) amx_pack_block(w, g, b, dst + ((g - g0) * w->nb + b) * 16 * GW);
+}
+
 // Below 16 rows the tiles are configured with M rows; above, the A tiles read whole tiles of
 // 16 rows: xb's rows past M are zeros (not for fewer: 17-46 KB a decode matmul to clear).
 #define XB_ROWS(M) ((M) < TILE_ROWS ? (M) : ((M) + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS)
@@ -151,12 +158,13 @@ INLINE void amx_tile_any(const weight_t *w, int64_t g, const uint32_t *panel, co
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output); buf: this thread's scratch,
 // >= K/2 x GW words (one group's packed blocks). Below 16 rows the tiles are configured with
 // M rows; from 16 the activations' rows are padded to a multiple of 16 (zeros): every A tile
-// load stays inside them.
-static void amx_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y, int64_t ldy,
-                     int64_t g0, int64_t g1) {
+// load stays inside them. packed (NULL: none): the groups' blocks packed already, [g1 - g0,
+// K/2, GW] (amx_pack; gemm_score.h packs a slice once for all its panels).
+static void amx_rows_packed(const weight_t *w, const act_t *a, uint32_t *buf,
+                            const uint32_t *packed, float *y, int64_t ldy, int64_t g0, int64_t g1) {
     const int M = a->M;
     tile_config(GW * 4, M < TILE_ROWS ? M : TILE_ROWS);
-    if (M <= AMX_FEW_ROWS) {
+    if (M <= AMX_FEW_ROWS && !packed) {
         for (int64_t g = g0; g < g1; g++)
             amx_tile_any(w, g, NULL, a, 0, M, y + (g - g0) * GW, ldy, g + AMX_PF < g1);
     } else {
@@ -164,8 +172,10 @@ static void amx_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y,
             const int pm = M - p0 < PANEL ? M - p0 : PANEL;
             for (int64_t g = g0; g < g1; g++) {
                 // bf16 weights are B tiles already ([nb, 16, GW] pairs): read in place
-                const uint32_t *panel = w->kind == 3 ? (const uint32_t *)w->qs + g * w->nb * 16 * GW : buf;
-                for (int64_t b = 0; w->kind != 3 && b < w->nb; b++) amx_pack_block(w, g, b, buf + b * 16 * GW);
+                const uint32_t *panel = w->kind == 3 ? (const uint32_t *)w->qs + g * w->nb * 16 * GW
+                                        : packed      ? packed + (g - g0) * w->nb * 16 * GW
+                                                      : buf;
+                if (w->kind != 3 && !packed) amx_pack(w, g, g + 1, buf);
                 for (int r = p0; r < p0 + pm; r += TILE_ROWS) {
                     const int rows = p0 + pm - r < TILE_ROWS ? p0 + pm - r : TILE_ROWS;
                     amx_tile_any(w, g, panel, a, r, rows, y + (g - g0) * GW, ldy, 0);
@@ -175,8 +185,12 @@ static void amx_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y,
     }
     TILE_RELEASE();
 }
+#define amx_rows(w, a, buf, y, ldy, g0, g1) amx_rows_packed(w, a, buf, NULL, y, ldy, g0, g1)
 #define bf16_path_rows amx_rows
 #define bf16_path_activations amx_activations
+#define bf16_path_pack amx_pack
+#define bf16_path_rows_packed amx_rows_packed
+#define BF16_PATH_FEW AMX_FEW_ROWS
 #else
 int gemm_amx(void) { return 0; }
 int amx_request(void) { return -1; }
@@ -185,6 +199,9 @@ int amx_emulated(void) { return 0; }
 #define amx_ready() 1
 #define bf16_path_rows bf16_rows
 #define bf16_path_activations bf16_activations
+#define bf16_path_pack bf16_pack
+#define bf16_path_rows_packed bf16_rows_packed
+#define BF16_PATH_FEW BF16_FEW_ROWS
 #endif
 
 #endif

@@ -143,18 +143,28 @@ INLINE void tile_bf16_any(const weight_t *w, int64_t g, int NT, int prefetch, co
 #undef BF16_CASE
 }
 
+// Groups [g0, g1)'s codes as bf16 pairs into dst [g1 - g0, K/2, GW]: a group's block b, pair
+// p at (b * 16 + p) * GW.
+static void bf16_pack(const weight_t *w, int64_t g0, int64_t g1, uint32_t *dst) {
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < w->nb; b++)
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512(dst + (((g - g0) * w->nb + b) * 16 + p) * GW, code_pairs(w, g, b, p));
+}
+
 // Rows [0, M) x groups [g0, g1) into y (group g0's first output); buf: this thread's
 // scratch, >= K x GW pairs. Up to BF16_FEW_ROWS rows: each row tile converts the codes in
 // registers; more: converted once per panel into buf. 7-12 rows (a verification run of 6-11
 // drafts, a small decode batch) are one tile of 1 group rather than two of 2: each converted
 // pair vector serves every row, and the step from 6 to 7 rows costs a row, not a second pass
 // (Zen 4, min ms: 7 rows 1.20x, 8-10 1.10-1.11x, 12 1.02x; 13-24 as 12 x 1 tiles 0.96-1.10x:
-// not taken).
-static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y, int64_t ldy,
-                      int64_t g0, int64_t g1) {
+// not taken). packed (NULL: none): the groups' pairs converted already, [g1 - g0, K/2, GW]
+// (bf16_pack; gemm_score.h converts a slice once for all its panels), read as buf would be.
+static void bf16_rows_packed(const weight_t *w, const act_t *a, uint32_t *buf,
+                             const uint32_t *packed, float *y, int64_t ldy, int64_t g0, int64_t g1) {
     const int M = a->M;
     const int64_t half = w->K / 2;
-    const int few = M <= BF16_FEW_ROWS;
+    const int few = M <= BF16_FEW_ROWS && !packed;
     for (int p0 = 0; p0 < M; p0 += PANEL) {
         const int pm = M - p0 < PANEL ? M - p0 : PANEL;
         const int wide = few && pm > 6 && pm <= 12;  // one tile of pm rows x 1 group
@@ -162,12 +172,10 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
         for (int64_t g = g0; g < g1;) {
             const int NG = !wide && g + 2 <= g1 ? 2 : 1;
             // bf16 weights are pairs already, in the buffer's layout: read in place
-            const uint32_t *pairs = w->kind == 3 ? (const uint32_t *)w->qs + g * half * GW : buf;
-            if (!few && w->kind != 3)
-                for (int i = 0; i < NG; i++)
-                    for (int64_t b = 0; b < w->nb; b++)
-                        for (int p = 0; p < 16; p++)
-                            _mm512_store_si512(buf + ((int64_t)i * half + b * 16 + p) * GW, code_pairs(w, g + i, b, p));
+            const uint32_t *pairs = w->kind == 3 ? (const uint32_t *)w->qs + g * half * GW
+                                    : packed      ? packed + (g - g0) * half * GW
+                                                  : buf;
+            if (!few && w->kind != 3 && !packed) bf16_pack(w, g, g + NG, buf);
             const int prefetch = few && (NG == 2 || wide) && g + (PF_TILES(mt) + 1) * NG <= g1;
             for (int r = p0; r < p0 + pm; r += mt) {
                 const int rows = p0 + pm - r < mt ? p0 + pm - r : mt;
@@ -178,6 +186,7 @@ static void bf16_rows(const weight_t *w, const act_t *a, uint32_t *buf, float *y
         }
     }
 }
+#define bf16_rows(w, a, buf, y, ldy, g0, g1) bf16_rows_packed(w, a, buf, NULL, y, ldy, g0, g1)
 #elif defined(TINYSERVE_AMX_EMULATE)  // gemm_amx.h's emulated tiles serve bf16 calls
 int gemm_bf16(void) { return 1; }
 INLINE void bf16_block(const float *xp, uint32_t *pairs, float *xr) {  // in scalar code
@@ -190,6 +199,8 @@ INLINE void bf16_block(const float *xp, uint32_t *pairs, float *xr) {  // in sca
 #else  // gemm() answers -2 to a bf16 call here, so these are never reached
 int gemm_bf16(void) { return 0; }
 #define bf16_rows(...) ((void)0)
+#define bf16_rows_packed(...) ((void)0)
+#define bf16_pack(...) ((void)0)
 #define bf16_activations(...) ((void)0)
 #endif
 

@@ -167,6 +167,9 @@ class StepOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
+    # Whether stop strings count in this output's text: from the min_tokens-th output token
+    # on (the detokenizer's rule; the tool parser's stop strings, tool_stream.StopAtText).
+    stops_armed: bool = True
     error: str | None = None
     error_param: str | None = None  # set when the request is at fault: a 400 naming this field
     prompt_index: int = 0  # which of the request's prompts this choice continues

@@ -315,3 +315,56 @@ def test_a_streamed_response_with_tools_ends_at_a_stop_of_its_text(fake_server):
         assert done["response"]["output"][0]["content"][0]["text"] == "2 + 2 "
         assert done["response"]["usage"]["output_tokens"] == 3
         assert wait_until(lambda: len(s.engine.aborted) == 1)
+
+
+def test_text_before_min_tokens_is_not_stopped():
+    """StopAtText fed with ``armed`` false (StepOutput.stops_armed: before the min_tokens-th
+    output token) passes the text unmatched and unheld; armed, it stops as before."""
+    for stream, text in (
+        (EnvelopeStream, '{"content": "2 + 2 = 4."}'),
+        (HermesStream, "2 + 2 = 4."),
+    ):
+        head, tail = text[: text.index("+") + 2], text[text.index("+") + 2 :]
+        parser = StopAtText(stream(), ["2"])
+        events = parser.feed(head, armed=False)
+        seen = "".join(d.get("content", "") for d, _ in events)  # (a parser may hold a space)
+        assert seen.startswith("2 +") and parser.stop_reason is None
+        events += parser.feed(tail)
+        assert events[-1] == ({}, "stop") and parser.stop_reason == "2"
+        assert "".join(d.get("content", "") for d, _ in events) == "2 + "
+
+
+def test_min_tokens_holds_back_the_stop_strings_of_an_answer_with_tools(fake_server):
+    """Served, with tools (stop strings match the text: StopAtText), a stop string counts
+    only from the min_tokens-th output token on, as without tools: chat and the Responses
+    API, streamed and not (Anthropic's Messages API has no min_tokens)."""
+    import httpx
+
+    script = ['{"content": "', "2 + 2", " = 4", '."}']  # a token each
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    # stop "2" meets the text in the 2nd token: with min_tokens 3 it does not count there
+    cases = [(["2"], 0, ""), (["2"], 2, ""), (["2"], 3, "2 + 2 = 4."), (["4"], 3, "2 + 2 = ")]
+    with (
+        fake_server(script=script) as s,
+        httpx.Client(base_url=s.base_url, timeout=30) as c,
+    ):
+        for stop, min_tokens, want in cases:
+            body = {"model": "fake-model", "messages": msgs, "tools": [tool], "max_tokens": 8,
+                    "stop": stop, "min_tokens": min_tokens}  # fmt: skip
+            choice = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+            assert choice["message"]["content"] == want, (stop, min_tokens, choice)
+            with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+            assert text == want, (stop, min_tokens, chunks)
+            rbody = {"model": "fake-model", "input": "hi", "max_output_tokens": 8, "stop": stop,
+                     "min_tokens": min_tokens, "tools": [{"type": "function", "name": "f",
+                     "parameters": {"type": "object"}}]}  # fmt: skip
+            r = c.post("/v1/responses", json=rbody).json()
+            got = "".join(p["text"] for o in r["output"] for p in o.get("content", []))
+            assert got == want, (stop, min_tokens, r)
+            with c.stream("POST", "/v1/responses", json={**rbody, "stream": True}) as r:
+                done = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")][-1]
+            out = done["response"]["output"]
+            assert "".join(p["text"] for o in out for p in o.get("content", [])) == want

@@ -25,6 +25,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     fail: bool = False
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the raw text
+    min_tokens: int = 0  # stop strings count from this many output tokens on
     text: str = ""
 
 
@@ -89,7 +90,8 @@ class FakeEngine:
             prompt = prompts[k // params.n]
             n, fail = len(prompt), FAIL_TOKEN in prompt
             max_tokens = params.max_tokens or self.max_model_len - n
-            self.seqs[rid] = _Seq(request_id, k, n, max_tokens, fail=fail, stop=list(params.stop))
+            self.seqs[rid] = _Seq(request_id, k, n, max_tokens, fail=fail, stop=list(params.stop),
+                                  min_tokens=params.min_tokens)  # fmt: skip
         self.usage[request_id] = Usage(prompt_tokens=sum(len(p) for p in prompts))
 
     def abort(self, request_id: str) -> bool:
@@ -142,7 +144,9 @@ class FakeEngine:
             done = len(s.tokens) >= s.max_tokens
             ended = self.script is not None and len(s.tokens) >= len(self.script)
             piece = self.script[k] if self.script is not None else f"t{k} "
-            hits = sorted((i, stop) for stop in s.stop if (i := (s.text + piece).find(stop)) >= 0)
+            armed = len(s.tokens) >= s.min_tokens
+            stops = s.stop if armed else []
+            hits = sorted((i, stop) for stop in stops if (i := (s.text + piece).find(stop)) >= 0)
             if hits:
                 piece, ended = (s.text + piece)[len(s.text) : max(hits[0][0], len(s.text))], True
             s.text += piece
@@ -157,6 +161,7 @@ class FakeEngine:
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_output_tokens=len(s.tokens),
                 stop_reason=hits[0][1] if hits else None,
+                stops_armed=armed,
             )
             outputs.append(self._finish_parent(out) if done or ended else out)
         return outputs

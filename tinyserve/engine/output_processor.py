@@ -213,6 +213,7 @@ class OutputProcessor:
             num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
+            stops_armed=num_output >= req.sampling_params.min_tokens,
             prompt_logprobs=prompt_lps,
         )
 

@@ -284,20 +284,27 @@ class OpenAIServing:
         return fmt.parse(text, _answer_names(job))
 
     def answer_tools(
-        self, job: Job, text: str, finish: str | None, stop_reason: int | str | None = None
+        self,
+        job: Job,
+        text: str,
+        finish: str | None,
+        stop_reason: int | str | None = None,
+        unarmed: int = 0,
     ) -> tuple[str | None, list, str | None, int | str | None]:
         """Content, calls, the finish reason (``tool_calls`` where calls end it) and the stop
-        reason (a stop string of the text, Job.stops, where one ended it): parsed
-        whole when the answer ended; as the stream parser sent them when cut (by max_tokens,
-        a stop string or a stop token): a cut call stays a call, and the envelope's text
-        its content, never the raw wrapper."""
+        reason (a stop string of the text, Job.stops, where one ended it; not in the first
+        ``unarmed`` characters, before min_tokens: Choice.unarmed): parsed whole when the
+        answer ended; as the stream parser sent them when cut (by max_tokens, a stop string
+        or a stop token): a cut call stays a call, and the envelope's text its content,
+        never the raw wrapper."""
         if not job.tools or finish not in ("stop", "length"):
             return text, [], finish, stop_reason
         if finish == "stop" and stop_reason is None and not job.stops:
             content, calls = self.parse_tools(text, job)
             return content, calls, "tool_calls" if calls else finish, None
         parser = self.tool_stream(job)
-        events = parser.feed(text) + parser.finish(finish)
+        events = TS.feed(parser, text[:unarmed], False) + TS.feed(parser, text[unarmed:])
+        events += parser.finish(finish)
         return *collect_calls(events), events[-1][1], TS.visible_stop(parser) or stop_reason
 
     def tool_stream(self, job: Job) -> ToolStream:

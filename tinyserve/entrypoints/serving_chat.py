@@ -33,7 +33,7 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     usage_info,
 )
-from tinyserve.entrypoints.tool_stream import visible_stop
+from tinyserve.entrypoints.tool_stream import feed, visible_stop
 from tinyserve.outputs import StepOutput, Usage
 
 
@@ -107,7 +107,9 @@ class ChatServing(OpenAIServing):
             reasoning, text = None, c.text
             if job.thinks:
                 reasoning, text = R.split_reasoning(c.text, job.thinking_open)
-            content, calls, finish, stop = self.answer_tools(job, text or "", finish, c.stop_reason)
+            content, calls, finish, stop = self.answer_tools(
+                job, text or "", finish, c.stop_reason, c.unarmed(text or "")
+            )
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = L.chat_logprobs(c.logprobs, self.token_str, self.token_bytes)
@@ -165,7 +167,7 @@ class ChatServing(OpenAIServing):
             parser = job.parsers.get(out.index)
             if parser is None:
                 parser = job.parsers[out.index] = self.tool_stream(job)
-            events = parser.feed(text)
+            events = feed(parser, text, out.stops_armed)
             events += parser.finish(finish) if finish is not None else []
             if not events and out.logprobs and lp is not None and visible_stop(parser) is None:
                 events = [({}, None)]

@@ -100,7 +100,9 @@ class MessagesServing(OpenAIServing):
         return {"input_tokens": len(prompt_ids)}
 
     def _answer(self, job: Job, c: Choice) -> tuple[list[dict[str, Any]], str, str | None]:
-        content, calls, _, stop = self.answer_tools(job, c.text, c.finish_reason, c.stop_reason)
+        content, calls, _, stop = self.answer_tools(
+            job, c.text, c.finish_reason, c.stop_reason, c.unarmed(c.text)
+        )
         finish = "stop" if isinstance(stop, str) else c.finish_reason  # a stop string won
         reason, sequence = A.stop_reason(finish, stop, bool(calls))
         return A.content_blocks(content, calls), reason, sequence
@@ -121,7 +123,7 @@ class MessagesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage, finish, stop = out.usage or usage, finish_reason_of(out), out.stop_reason
                 tokens = out.num_output_tokens
-                for delta in stream_deltas(parser, out.text_delta, finish):
+                for delta in stream_deltas(parser, out.text_delta, finish, out.stops_armed):
                     for event in blocks.feed(delta):
                         yield event
                 if visible_stop(parser) is not None and out.usage is None:

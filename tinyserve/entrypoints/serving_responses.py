@@ -107,7 +107,9 @@ class ResponsesServing(OpenAIServing):
         (choice,) = choices
         # The whole text through the stream's parsers: the same items as when streamed.
         parser = self.tool_stream(job) if job.tools else None
-        list(_answer_events(job, parser, choice.text, choice.finish_reason))  # events dropped
+        cut = choice.unarmed(choice.text)  # before it stop strings do not count (min_tokens)
+        list(_answer_events(job, parser, choice.text[:cut], None, False))  # events dropped
+        list(_answer_events(job, parser, choice.text[cut:], choice.finish_reason))
         job.builder.finish("stop" if visible_stop(parser) else choice.finish_reason, usage)
         return dump(job.builder.response)
 
@@ -124,7 +126,7 @@ class ResponsesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage = out.usage or usage
                 finish = finish_reason_of(out)
-                for event in _answer_events(job, parser, out.text_delta, finish):
+                for event in _answer_events(job, parser, out.text_delta, finish, out.stops_armed):
                     yield event
                 if visible_stop(parser) is not None and out.usage is None:  # a stop string of
                     stream.abort()  # the text (Job.stops): nothing more to send
@@ -138,13 +140,16 @@ class ResponsesServing(OpenAIServing):
             yield event
 
 
-def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None):
+def _answer_events(
+    job: ResponsesJob, parser: Any, text: str, finish: str | None, armed: bool = True
+):
     """A piece of the answer's text as the builder's events: its thinking (with a splitter)
-    as reasoning, the rest through the tool parser as content and calls."""
+    as reasoning, the rest through the tool parser as content and calls (``armed``: stop
+    strings count in it)."""
     if job.splitter is not None:
         reasoning, text = job.splitter.step(text, finish is not None)
         yield from job.builder.reasoning(reasoning)
-    for delta in stream_deltas(parser, text, finish):
+    for delta in stream_deltas(parser, text, finish, armed):
         yield from job.builder.chat_delta(delta)
 
 

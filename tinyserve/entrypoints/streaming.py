@@ -27,6 +27,7 @@ from tinyserve.engine.client import (
 )
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError
+from tinyserve.entrypoints.tool_stream import feed
 from tinyserve.outputs import StepOutput, TokenLogprob, Usage, count_cached
 
 if TYPE_CHECKING:
@@ -84,6 +85,13 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    armed_at: int | None = None  # where in text stop strings began to count (min_tokens)
+
+    def unarmed(self, text: str) -> int:
+        """How many leading characters of ``text`` (this choice's text or a suffix of it: the
+        answer after a reasoning block) came before stop strings counted."""
+        armed = len(self.text) - (len(self.text) if self.armed_at is None else self.armed_at)
+        return max(len(text) - armed, 0)
 
 
 @dataclass
@@ -202,6 +210,8 @@ async def collect(
         if answered is not None and answered.stopped(out.index):
             continue
         c.finish_reason = finish_reason_of(out)
+        if c.armed_at is None and out.stops_armed:
+            c.armed_at = len(c.text)
         c.text += out.text_delta
         c.logprobs.extend(out.logprobs)
         c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
@@ -294,9 +304,12 @@ async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> Asyn
         yield "[DONE]"
 
 
-def stream_deltas(parser: Any, text: str, finish: str | None) -> list[dict[str, Any]]:
-    """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads."""
+def stream_deltas(
+    parser: Any, text: str, finish: str | None, armed: bool = True
+) -> list[dict[str, Any]]:
+    """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads
+    (``armed``: whether stop strings count in it, StepOutput.stops_armed)."""
     if parser is None:
         return [{"content": text}]
-    events = parser.feed(text) + (parser.finish(finish) if finish is not None else [])
+    events = feed(parser, text, armed) + (parser.finish(finish) if finish is not None else [])
     return [delta for delta, _ in events]

@@ -266,7 +266,9 @@ class StopAtText:
     complete one. Wraps a choice's parser: content is held back while a stop string may
     begin in it, cut where one ends it (kept with ``include``), then the choice finishes
     (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The request
-    is then aborted (Job.answered for a stream, ``AllStopped`` for a whole answer)."""
+    is then aborted (Job.answered for a stream, ``AllStopped`` for a whole answer). Text fed
+    with ``armed`` false (before the min_tokens-th output token: StepOutput.stops_armed)
+    passes unmatched and unheld, as the detokenizer treats it without tools."""
 
     def __init__(self, inner, stops, include: bool = False) -> None:
         self.inner, self.stops, self.include = inner, list(stops), include
@@ -275,18 +277,20 @@ class StopAtText:
         self._called = False  # a call has begun: a stop in later text ends with tool_calls
         self.stop_reason: str | None = None
 
-    def feed(self, text: str) -> list[Event]:
-        return [] if self.stop_reason is not None else self._filter(self.inner.feed(text))
+    def feed(self, text: str, armed: bool = True) -> list[Event]:
+        if self.stop_reason is not None:
+            return []
+        return self._filter(self.inner.feed(text), armed)
 
     def finish(self, finish_reason: str) -> list[Event]:
         if self.stop_reason is not None:
             return []
         return self._filter(self.inner.finish(finish_reason))
 
-    def _filter(self, events: list[Event]) -> list[Event]:
+    def _filter(self, events: list[Event], armed: bool = True) -> list[Event]:
         out: list[Event] = []
         for delta, finish_reason in events:
-            if set(delta) != {"content"} or finish_reason is not None:
+            if set(delta) != {"content"} or finish_reason is not None or not armed:
                 if self._held:  # anything else ends the text a stop string could span
                     out.append(({"content": self._held}, None))
                     self._held = ""
@@ -306,6 +310,12 @@ class StopAtText:
                 out.append(({"content": self._held[:keep]}, None))
                 self._held = self._held[keep:]
         return out
+
+
+def feed(parser, text: str, armed: bool = True) -> list[Event]:
+    """``parser.feed(text)``; behind stop strings (StopAtText) with ``armed``: whether
+    they count in this text (StepOutput.stops_armed)."""
+    return parser.feed(text, armed) if isinstance(parser, StopAtText) else parser.feed(text)
 
 
 def visible_stop(parser) -> str | None:
@@ -329,6 +339,6 @@ class AllStopped:
 
     def __call__(self, out) -> bool:
         parser = self._parsers.get(out.index) or self._parsers.setdefault(out.index, self._make())
-        parser.feed(out.text_delta)
+        parser.feed(out.text_delta, out.stops_armed)
         parsers = self._parsers.values()
         return len(parsers) == self._choices and all(map(visible_stop, parsers))

@@ -7,6 +7,7 @@ test_families.py's GGUF round trips."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -137,3 +138,34 @@ def test_a_gemma3_1b_config_json():
     assert [c.layer_window(i) for i in range(6)] == [512] * 5 + [None]
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         ModelConfig.from_hf_config({**GEMMA3_1B, "final_logit_softcapping": 30.0})
+
+
+@torch.no_grad()
+def test_bf16_norms_are_transformers_own(gemma, tmp_path):
+    """In bf16 Gemma scales a normed row in float32 by 1 + w (float32), then rounds
+    (transformers' Gemma3RMSNorm): on a bf16 checkpoint each of our norms — the layers' four,
+    q's and k's per head, the final one — gives its bits on random bf16 rows (bf16(1 + w) and
+    a bf16 product, Llama's order, differ in them), and the logits are as near float32's as
+    transformers' bf16 logits are."""
+    _, hf = gemma
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    ours, _ = load_model(save_hf(hf16, tmp_path / "bf16"), dtype=torch.bfloat16)
+    pairs = [(ours.model.norm, hf16.model.norm)]
+    for a, b in zip(ours.model.layers, hf16.model.layers, strict=True):
+        pairs += [(getattr(a, n), getattr(b, n)) for n in ("input_layernorm",
+                  "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")]  # fmt: skip
+        pairs += [
+            (a.self_attn.q_norm, b.self_attn.q_norm),
+            (a.self_attn.k_norm, b.self_attn.k_norm),
+        ]
+    g = torch.Generator().manual_seed(5)
+    for mine, theirs in pairs:
+        assert theirs.weight.abs().max() > 0.05  # weighted away from the offset alone
+        x = (torch.randn(7, theirs.weight.shape[0], generator=g) * 3).to(torch.bfloat16)
+        assert torch.equal(mine.plain(x), theirs(x))
+    tokens = random_tokens(PROMPT_LEN, seed=7)
+    ref = hf_logits(copy.deepcopy(hf16).float(), tokens)  # the bf16 weights, in float32
+    hf_err = (hf_logits(hf16, tokens) - ref).abs().max()
+    got = PagedRunner(ours, BLOCK_SIZE, num_blocks=16).step([("s", tokens)])[0].float()
+    assert (got - ref).abs().max() <= 2 * hf_err + 1e-3 * ref.abs().max()

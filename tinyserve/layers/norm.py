@@ -39,4 +39,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
         xf = xf * torch.rsqrt(variance + self.eps)
-        return self.weight * xf.to(dtype)
+        if self.weight.dtype == torch.float32:  # Gemma's (models/gemma3.py): scaled in float32,
+            return (xf * self.weight).to(dtype)  # then rounded, as transformers' Gemma3RMSNorm
+        return self.weight * xf.to(dtype)  # Llama's: rounded, then scaled in the model's dtype

@@ -4,7 +4,9 @@ layer with
 - input rows scaled by sqrt(hidden) (rounded to the model's dtype first, as transformers);
 - RMSNorm weights used as (1 + w): the offset is added once at load, in float32 as
   transformers adds it at run time (a GGUF has it added already, by llama.cpp's converter),
-  so every norm, the kernels' included, is the plain RMSNorm;
+  so every norm, the kernels' included, is the plain RMSNorm; the weights stay float32
+  whatever the model's dtype, and in bf16 a row is scaled in float32 before it is rounded
+  (transformers' order: bf16(1 + w) and a bf16 product were up to 2^-8 off);
 - Qwen3's per-head RMSNorm on q and k, and the softmax scale query_pre_attn_scalar ** -0.5;
 - a norm after attention and after the MLP too (four per layer), each branch normed before it
   joins the residual stream;
@@ -114,6 +116,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     model_cls = Gemma3Model
     layer_cls = Gemma3DecoderLayer
     attention_cls = Gemma3Attention
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, *args, **kwargs):
+        super().__init__(config, dtype, *args, **kwargs)
+        for m in self.modules():  # 1 + w in float32 (RMSNorm.plain scales in float32)
+            if isinstance(m, RMSNorm) and m.weight.dtype != torch.float32:
+                m.weight = nn.Parameter(m.weight.detach().float(), requires_grad=False)
 
     def checkpoint_tensors(self, tensors, gguf: bool = False):
         """Every norm weight w as 1 + w (float32), unless the GGUF converter added it."""

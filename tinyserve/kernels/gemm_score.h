@@ -43,15 +43,18 @@ typedef struct {
 
 // Whether score_slices converts a slice's codes to bf16 pairs once for all its panels (into
 // `packed`, SCORE_SLICE x K/2 words a thread) rather than once a panel as gemm() does:
-// where bf16 tiles read them from a buffer (more than BF16_PATH_FEW rows; not bf16 weights,
-// pairs already). The same pairs, so the same bits. 511 rows of SmolLM2's Q8_0 head (4
-// panels), Zen 4, 5 alternating runs' minima: 81.4-88.0 -> 78.3-84.5 ms (medians 84.2 -> 79.0).
-#define SCORE_PACKS(bf16, kind, M) ((bf16) && (kind) != 3 && (M) > BF16_PATH_FEW)
+// where bf16 tiles read them from a buffer, there is more than one panel to share them
+// (M > PANEL), and the slice's pairs fit beside a panel in L2 (K <= 1024: 512 KB; not
+// measured beyond); not bf16 weights (pairs already). The same pairs, so the same bits.
+// 511 rows of SmolLM2's Q8_0 head (K 576, 4 panels), Zen 4, 5 alternating runs' minima:
+// 81.4-88.0 -> 78.3-84.5 ms (medians 84.2 -> 79.0).
+#define SCORE_PACKS(bf16, kind, M, K) \
+    ((bf16) && (kind) != 3 && (M) > PANEL && (M) > BF16_PATH_FEW && (K) <= 1024)
 
 // Thread t's slices [s0, s1): every row through each, panel by panel.
 static void score_slices(const weight_t *w, const act_t *a, const score_t *sc, int t,
                          int64_t s0, int64_t s1, float *buf, float *y, uint32_t *packed) {
-    const int M = sc->M, k = sc->k, packs = SCORE_PACKS(a->xb != NULL, w->kind, M);
+    const int M = sc->M, k = sc->k, packs = SCORE_PACKS(a->xb != NULL, w->kind, M, w->K);
     const int64_t G = (w->N + GW - 1) / GW;
     for (int64_t s = s0; s < s1; s++) {
         const int64_t g0 = s * (SCORE_SLICE / GW), g1 = g0 + SCORE_SLICE / GW < G ? g0 + SCORE_SLICE / GW : G;
@@ -121,7 +124,7 @@ int gemm_score(int flags, const void *qs, const float *d, const float *m, const 
     const int64_t slices = (N + SCORE_SLICE - 1) / SCORE_SLICE;
     if (nthreads < 1) nthreads = 1;
     const int T = nthreads;
-    const size_t n_packed = SCORE_PACKS(bf16, kind, M) ? (size_t)SCORE_SLICE * K / 2 : 0;
+    const size_t n_packed = SCORE_PACKS(bf16, kind, M, K) ? (size_t)SCORE_SLICE * K / 2 : 0;
     const size_t scratch = 2 * K * GW + PANEL * SCORE_SLICE + GW + n_packed;  // buf | y | yt | packed
     const size_t n_sx = kind == 0 ? ((size_t)M * w.nb + 15) / 16 * 16 : 0;
     const size_t n_xb = bf16 ? ((size_t)XB_ROWS(M) * K / 2 + 15) / 16 * 16 : 0;

@@ -167,9 +167,10 @@ class StepOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
-    # Whether stop strings count in this output's text: from the min_tokens-th output token
-    # on (the detokenizer's rule; the tool parser's stop strings, tool_stream.StopAtText).
-    stops_armed: bool = True
+    # Where in text_delta stop strings begin to count: from the min_tokens-th output token
+    # on, token by token (the detokenizer's rule; for the tool parser's stop strings,
+    # tool_stream.StopAtText): 0 all of it, None none of it.
+    armed_from: int | None = 0
     error: str | None = None
     error_param: str | None = None  # set when the request is at fault: a 400 naming this field
     prompt_index: int = 0  # which of the request's prompts this choice continues

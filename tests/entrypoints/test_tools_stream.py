@@ -11,7 +11,15 @@ from functools import partial
 import pytest
 
 from tinyserve.entrypoints import tools as T
-from tinyserve.entrypoints.tool_stream import EnvelopeStream, HermesStream, JsonScanner, StopAtText
+from tinyserve.entrypoints.tool_formats import WholeAnswer
+from tinyserve.entrypoints.tool_stream import (
+    EnvelopeStream,
+    HermesStream,
+    JsonScanner,
+    StopAtText,
+    feed,
+    unarmed_chars,
+)
 from tinyserve.testing.server import wait_until
 
 TEXT_BITS = ["a", " ", "\n", "  ", "<", "<tool", "<tool_", "tool_call>", "</tool_call>", "é",
@@ -368,3 +376,54 @@ def test_min_tokens_holds_back_the_stop_strings_of_an_answer_with_tools(fake_ser
                 done = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")][-1]
             out = done["response"]["output"]
             assert "".join(p["text"] for o in out for p in o.get("content", [])) == want
+
+
+def test_content_an_unarmed_feed_left_held_is_not_stopped_later():
+    """What the inner parser held back from text fed unarmed (Hermes's trailing whitespace,
+    the envelope's half escape, a whole answer read at its end) passes unmatched when it is
+    given later; text after it is matched as before."""
+    cases = [(HermesStream(), [("Hello\n", 0), ("World\nmore", 1)], ["\n"], "Hello\nWorld"),
+             (EnvelopeStream(), [('{"content": "a\\', 0), ('nb\\nc"}', 1)], ["\n"], "a\nb"),
+             (WholeAnswer(None, ["f"]), [("2 + ", 0), ("2 = 4.", 1)], ["2"], "2 + ")]  # fmt: skip
+    for inner, pieces, stops, want in cases:
+        parser = StopAtText(inner, stops)
+        events = [e for text, armed in pieces for e in parser.feed(text, bool(armed))]
+        events += parser.finish("stop")
+        assert "".join(d.get("content", "") for d, _ in events) == want, (inner, events)
+
+
+def test_a_speculative_run_crossing_min_tokens_is_armed_from_its_token():
+    """A step of several tokens (a verified draft run) that crosses min_tokens: stop strings
+    count from the min_tokens-th token's text on (StepOutput.armed_from), as the
+    detokenizer counts them without tools."""
+    from tinyserve.engine.output_processor import OutputProcessor
+    from tinyserve.outputs import ModelRunnerOutput
+    from tinyserve.sampling_params import SamplingParams
+
+    pieces = {1: "a", 2: "X", 3: "b", 4: "c", 9: "p"}
+
+    class Tok:
+        def decode(self, ids, **kw):
+            return "".join(pieces[i] for i in ids)
+
+    def run(stop, steps=([1], [2, 3, 4])):
+        proc = OutputProcessor(Tok(), (), max_model_len=64)
+        params = SamplingParams(max_tokens=8, min_tokens=3, stop=stop)
+        (req,) = proc.add_request("r", [[9, 9]], params, 0.0)
+        outs = []
+        for ids in steps:
+            for t in ids:
+                req.append_output_token(t)
+            outs += proc.process([req], ModelRunnerOutput(sampled_token_ids={"r": ids})).outputs
+        return outs
+
+    plain = "".join(o.text_delta for o in run(["X", "c"]))  # the detokenizer's own stops
+    outs = run([])  # with tools the stops leave the engine's params (serving.Job)
+    assert [o.armed_from for o in outs] == [None, 1]  # "X" before the 3rd token ("b")
+    for stops in (["X"], ["c"]):
+        parser = StopAtText(HermesStream(), stops)
+        events = [e for o in outs for e in feed(parser, o.text_delta, unarmed_chars(o))]
+        events += parser.finish("length") if parser.stop_reason is None else []
+        text = "".join(d.get("content", "") for d, _ in events)
+        assert text == ("aXbc" if stops == ["X"] else "aXb"), stops
+    assert plain == "aXb"  # (the X did not count there either; the c did)

@@ -161,7 +161,7 @@ class FakeEngine:
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_output_tokens=len(s.tokens),
                 stop_reason=hits[0][1] if hits else None,
-                stops_armed=armed,
+                armed_from=0 if armed else None,
             )
             outputs.append(self._finish_parent(out) if done or ended else out)
         return outputs

@@ -172,7 +172,7 @@ class OutputProcessor:
         new_ids = list(runner_out.sampled_token_ids.get(rid, ()))
         finish_reason = req.status.finish_reason if req.is_finished else None
         stop_reason = req.stop_reason
-        text_delta = ""
+        text_delta, armed_from = "", 0
         num_output = req.num_output_tokens
         detok = parent.detokenizers.get(rid)
         if detok is not None:
@@ -183,7 +183,10 @@ class OutputProcessor:
             if (new_ids and isinstance(stop_reason, int) and new_ids[-1] == stop_reason
                     and not req.sampling_params.include_stop_str_in_output):  # fmt: skip
                 shown = new_ids[:-1]
-            text_delta, stop_str, used = _detokenize(detok, shown, req.is_finished)
+            first = req.sampling_params.min_tokens - (num_output - len(new_ids)) - 1
+            text_delta, stop_str, used, armed_from = _detokenize_armed(
+                detok, shown, req.is_finished, first
+            )
             if stop_str is not None:
                 if not req.is_finished:
                     stops.append(rid)
@@ -213,7 +216,7 @@ class OutputProcessor:
             num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
-            stops_armed=num_output >= req.sampling_params.min_tokens,
+            armed_from=armed_from,
             prompt_logprobs=prompt_lps,
         )
 
@@ -268,6 +271,20 @@ class OutputProcessor:
             del self.parents[parent.request_id]
             out.request_finished = True
             out.usage = parent.usage
+
+
+def _detokenize_armed(detok, token_ids: list[int], finished: bool, first: int):
+    """_detokenize, and where in the delta stop strings begin to count (StepOutput.armed_from)
+    where ``first`` is the index of the step's min_tokens-th output token: a step of several
+    tokens (speculative decoding) may cross it, and is decoded in two parts there (the first
+    cannot meet a stop string: the detokenizer's own count from min_tokens on too)."""
+    if first <= 0:
+        return *_detokenize(detok, token_ids, finished), 0
+    if first >= len(token_ids):
+        return *_detokenize(detok, token_ids, finished), None
+    head, _, _ = _detokenize(detok, token_ids[:first], False)
+    tail, stop, used = _detokenize(detok, token_ids[first:], finished)
+    return head + tail, stop, first + used, len(head)
 
 
 def _detokenize(detok, token_ids: list[int], finished: bool) -> tuple[str, str | None, int]:

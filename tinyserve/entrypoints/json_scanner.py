@@ -32,6 +32,11 @@ class JsonScanner:
         self._esc = ""  # an escape not yet complete
         self._events: list[tuple[str, tuple, str]] = []
 
+    @property
+    def pending_escape(self) -> bool:
+        """An escape begun and not complete (its character not yet given)."""
+        return bool(self._esc)
+
     def feed(self, text: str) -> tuple[list[tuple[str, tuple, str]], int]:
         self._events, used = [], 0
         for ch in text:

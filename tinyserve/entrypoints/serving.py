@@ -303,7 +303,7 @@ class OpenAIServing:
             content, calls = self.parse_tools(text, job)
             return content, calls, "tool_calls" if calls else finish, None
         parser = self.tool_stream(job)
-        events = TS.feed(parser, text[:unarmed], False) + TS.feed(parser, text[unarmed:])
+        events = TS.feed(parser, text, unarmed)
         events += parser.finish(finish)
         return *collect_calls(events), events[-1][1], TS.visible_stop(parser) or stop_reason
 

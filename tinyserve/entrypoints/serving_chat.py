@@ -33,7 +33,7 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     usage_info,
 )
-from tinyserve.entrypoints.tool_stream import feed, visible_stop
+from tinyserve.entrypoints.tool_stream import feed, unarmed_chars, visible_stop
 from tinyserve.outputs import StepOutput, Usage
 
 
@@ -167,7 +167,7 @@ class ChatServing(OpenAIServing):
             parser = job.parsers.get(out.index)
             if parser is None:
                 parser = job.parsers[out.index] = self.tool_stream(job)
-            events = feed(parser, text, out.stops_armed)
+            events = feed(parser, text, unarmed_chars(out, text))
             events += parser.finish(finish) if finish is not None else []
             if not events and out.logprobs and lp is not None and visible_stop(parser) is None:
                 events = [({}, None)]

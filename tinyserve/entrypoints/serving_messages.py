@@ -35,7 +35,7 @@ from tinyserve.entrypoints.streaming import (
 )
 from tinyserve.entrypoints.structured_options import json_answer_schema, with_json_options
 from tinyserve.entrypoints.tool_formats import tool_format
-from tinyserve.entrypoints.tool_stream import visible_stop
+from tinyserve.entrypoints.tool_stream import unarmed_chars, visible_stop
 from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams
 
@@ -123,7 +123,7 @@ class MessagesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage, finish, stop = out.usage or usage, finish_reason_of(out), out.stop_reason
                 tokens = out.num_output_tokens
-                for delta in stream_deltas(parser, out.text_delta, finish, out.stops_armed):
+                for delta in stream_deltas(parser, out.text_delta, finish, unarmed_chars(out)):
                     for event in blocks.feed(delta):
                         yield event
                 if visible_stop(parser) is not None and out.usage is None:

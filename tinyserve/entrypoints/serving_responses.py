@@ -42,7 +42,7 @@ from tinyserve.entrypoints.streaming import (
     outputs,
     stream_deltas,
 )
-from tinyserve.entrypoints.tool_stream import visible_stop
+from tinyserve.entrypoints.tool_stream import unarmed_chars, visible_stop
 from tinyserve.outputs import Usage
 
 
@@ -108,7 +108,7 @@ class ResponsesServing(OpenAIServing):
         # The whole text through the stream's parsers: the same items as when streamed.
         parser = self.tool_stream(job) if job.tools else None
         cut = choice.unarmed(choice.text)  # before it stop strings do not count (min_tokens)
-        list(_answer_events(job, parser, choice.text[:cut], None, False))  # events dropped
+        list(_answer_events(job, parser, choice.text[:cut], None, cut))  # events dropped
         list(_answer_events(job, parser, choice.text[cut:], choice.finish_reason))
         job.builder.finish("stop" if visible_stop(parser) else choice.finish_reason, usage)
         return dump(job.builder.response)
@@ -126,7 +126,9 @@ class ResponsesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage = out.usage or usage
                 finish = finish_reason_of(out)
-                for event in _answer_events(job, parser, out.text_delta, finish, out.stops_armed):
+                for event in _answer_events(
+                    job, parser, out.text_delta, finish, unarmed_chars(out)
+                ):
                     yield event
                 if visible_stop(parser) is not None and out.usage is None:  # a stop string of
                     stream.abort()  # the text (Job.stops): nothing more to send
@@ -140,16 +142,17 @@ class ResponsesServing(OpenAIServing):
             yield event
 
 
-def _answer_events(
-    job: ResponsesJob, parser: Any, text: str, finish: str | None, armed: bool = True
-):
+def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None, unarmed: int = 0):
     """A piece of the answer's text as the builder's events: its thinking (with a splitter)
-    as reasoning, the rest through the tool parser as content and calls (``armed``: stop
-    strings count in it)."""
+    as reasoning, the rest through the tool parser as content and calls (stop strings not
+    counting in its first ``unarmed`` characters: min_tokens)."""
     if job.splitter is not None:
-        reasoning, text = job.splitter.step(text, finish is not None)
+        reasoning, content = job.splitter.step(text, finish is not None)
         yield from job.builder.reasoning(reasoning)
-    for delta in stream_deltas(parser, text, finish, armed):
+        if content != text:  # split: none of it counts where any of the piece did not
+            unarmed = 0 if unarmed == 0 else len(content)
+        text = content
+    for delta in stream_deltas(parser, text, finish, unarmed):
         yield from job.builder.chat_delta(delta)
 
 

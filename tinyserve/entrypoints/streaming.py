@@ -210,8 +210,8 @@ async def collect(
         if answered is not None and answered.stopped(out.index):
             continue
         c.finish_reason = finish_reason_of(out)
-        if c.armed_at is None and out.stops_armed:
-            c.armed_at = len(c.text)
+        if c.armed_at is None and out.armed_from is not None:
+            c.armed_at = len(c.text) + out.armed_from
         c.text += out.text_delta
         c.logprobs.extend(out.logprobs)
         c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
@@ -305,11 +305,11 @@ async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> Asyn
 
 
 def stream_deltas(
-    parser: Any, text: str, finish: str | None, armed: bool = True
+    parser: Any, text: str, finish: str | None, unarmed: int = 0
 ) -> list[dict[str, Any]]:
     """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads
-    (``armed``: whether stop strings count in it, StepOutput.stops_armed)."""
+    (stop strings not counting in its first ``unarmed`` characters: tool_stream.feed)."""
     if parser is None:
         return [{"content": text}]
-    events = feed(parser, text, armed) + (parser.finish(finish) if finish is not None else [])
+    events = feed(parser, text, unarmed) + (parser.finish(finish) if finish is not None else [])
     return [delta for delta, _ in events]

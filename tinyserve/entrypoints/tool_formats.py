@@ -229,6 +229,9 @@ class WholeAnswer:
         self._text += text
         return []
 
+    def held(self) -> int:  # all of it, until the end
+        return len(self._text)
+
     def finish(self, finish_reason: str) -> list:
         if not self._is_call():  # all of it content, in one delta
             return [*([({"content": self._text}, None)] if self._text else []),

@@ -103,6 +103,10 @@ class BufferedStream:
     def _step(self) -> bool:
         raise NotImplementedError
 
+    def held(self) -> int:
+        """At most how many characters of content the text fed so far still holds back."""
+        return len(self._buf)
+
     def _raw(self) -> bool:
         """Not a call after all: the rest is content as it comes."""
         self._d.content(self._buf)
@@ -143,6 +147,10 @@ class EnvelopeStream:
 
     def finish(self, finish_reason: str) -> list[Event]:
         return self._d.take(finish_reason, mid_call=not self._scan.done)
+
+    def held(self) -> int:
+        """An escape not yet complete: one character of content at most."""
+        return 1 if self._scan.pending_escape else 0
 
 
 class HermesStream(BufferedStream):
@@ -267,20 +275,26 @@ class StopAtText:
     begin in it, cut where one ends it (kept with ``include``), then the choice finishes
     (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The request
     is then aborted (Job.answered for a stream, ``AllStopped`` for a whole answer). Text fed
-    with ``armed`` false (before the min_tokens-th output token: StepOutput.stops_armed)
-    passes unmatched and unheld, as the detokenizer treats it without tools."""
+    with ``armed`` false (before the min_tokens-th output token: StepOutput.armed_from)
+    passes unmatched and unheld, as the detokenizer treats it without tools — also the
+    content the inner parser held back from it and gives later (its ``held()``: an upper
+    bound, so a stop string just past min_tokens may go unseen, never one before it)."""
 
     def __init__(self, inner, stops, include: bool = False) -> None:
         self.inner, self.stops, self.include = inner, list(stops), include
         self._holdback = max(len(s) for s in self.stops) - 1
         self._held = ""
+        self._free = 0  # characters of content still to come from text fed unarmed
         self._called = False  # a call has begun: a stop in later text ends with tool_calls
         self.stop_reason: str | None = None
 
     def feed(self, text: str, armed: bool = True) -> list[Event]:
         if self.stop_reason is not None:
             return []
-        return self._filter(self.inner.feed(text), armed)
+        out = self._filter(self.inner.feed(text), armed)
+        if not armed:
+            self._free = getattr(self.inner, "held", lambda: 0)()
+        return out
 
     def finish(self, finish_reason: str) -> list[Event]:
         if self.stop_reason is not None:
@@ -297,7 +311,11 @@ class StopAtText:
                 self._called = self._called or "tool_calls" in delta
                 out.append((delta, finish_reason))
                 continue
-            self._held += delta["content"]
+            text, free = delta["content"], min(self._free, len(delta["content"]))
+            if free:  # given now, fed before min_tokens: unmatched
+                out.append(({"content": text[:free]}, None))
+                self._free, text = self._free - free, text[free:]
+            self._held += text
             hit = find_stop(self._held, self.stops)
             if hit is not None:
                 i, stop = hit
@@ -312,10 +330,21 @@ class StopAtText:
         return out
 
 
-def feed(parser, text: str, armed: bool = True) -> list[Event]:
-    """``parser.feed(text)``; behind stop strings (StopAtText) with ``armed``: whether
-    they count in this text (StepOutput.stops_armed)."""
-    return parser.feed(text, armed) if isinstance(parser, StopAtText) else parser.feed(text)
+def feed(parser, text: str, unarmed: int = 0) -> list[Event]:
+    """``parser.feed(text)``; behind stop strings (StopAtText) the first ``unarmed``
+    characters are text where they do not count yet (min_tokens: unarmed_chars)."""
+    if not isinstance(parser, StopAtText) or unarmed <= 0:
+        return parser.feed(text)
+    head = parser.feed(text[:unarmed], armed=False)
+    return head + parser.feed(text[unarmed:]) if unarmed < len(text) else head
+
+
+def unarmed_chars(out, text: str | None = None) -> int:
+    """How many leading characters of a step's text (``out.text_delta``, or ``text``: what a
+    reasoning splitter made of it) come before stop strings count (StepOutput.armed_from)."""
+    if text is None or text == out.text_delta:
+        return len(out.text_delta) if out.armed_from is None else out.armed_from
+    return 0 if out.armed_from == 0 else len(text)  # a split step: all of it, to be safe
 
 
 def visible_stop(parser) -> str | None:
@@ -339,6 +368,6 @@ class AllStopped:
 
     def __call__(self, out) -> bool:
         parser = self._parsers.get(out.index) or self._parsers.setdefault(out.index, self._make())
-        parser.feed(out.text_delta, out.stops_armed)
+        feed(parser, out.text_delta, unarmed_chars(out))
         parsers = self._parsers.values()
         return len(parsers) == self._choices and all(map(visible_stop, parsers))

@@ -40,6 +40,9 @@ class MarkedStream(BufferedStream):
         self._held = ""  # the marker and what followed it: content again if not a call
         self._scan = JsonScanner()
 
+    def held(self) -> int:
+        return len(self._buf) + len(self._held)
+
     def finish(self, finish_reason: str) -> list[Event]:
         if self._mode in ("start", "text", "raw"):
             self._d.content(self._buf)

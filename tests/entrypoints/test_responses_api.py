@@ -230,6 +230,12 @@ def test_tools_beside_a_text_format_parse_with_the_sdk(oai):
          "input[0].content[0].type"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
+        # an output answering no call before it (OpenAI: "No tool call found ...")
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+         "input[0].call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]},
+         "input[0].call_id"),
         ({"input": []}, "input"),
         ({"temperature": -1.0}, "temperature"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),

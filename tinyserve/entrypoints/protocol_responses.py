@@ -160,6 +160,7 @@ def chat_messages(input: str | list[dict[str, Any]], instructions: str | None) -
     if not input:
         raise bad_request("input: must not be empty", "input")
     thinking = None  # a reasoning item's text, for the assistant turn that follows it
+    calls: set[str] = set()  # the call ids so far: an output answers one of them (OpenAI)
     for i, raw in enumerate(input):
         item = _parse_item(raw, f"input[{i}]")
         if isinstance(item, _ReasoningItem):
@@ -170,6 +171,7 @@ def chat_messages(input: str | list[dict[str, Any]], instructions: str | None) -
             content = _text_parts(item.content, f"input[{i}].content")
             messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, _FunctionCallItem):
+            calls.add(item.call_id)
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                             arguments=item.arguments))  # fmt: skip
             last = messages[-1] if messages else None
@@ -178,6 +180,10 @@ def chat_messages(input: str | list[dict[str, Any]], instructions: str | None) -
             else:
                 messages.append(ChatMessage(role="assistant", tool_calls=[call]))
         else:
+            if item.call_id not in calls:
+                raise bad_request(f"input[{i}].call_id: no function_call item before it has "
+                                  f"call_id {item.call_id!r} (a stateless server: send the "
+                                  "call with its output)", f"input[{i}].call_id")  # fmt: skip
             output = _text_parts(item.output, f"input[{i}].output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=item.call_id))
         if thinking is not None and messages[-1].role == "assistant":  # the template's call

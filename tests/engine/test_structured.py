@@ -172,6 +172,26 @@ def test_a_dead_end_in_the_grammar_fails_its_request_not_the_engine(fuzz_model):
     assert ends[True] == ends[False]  # drafts or not, the other request's tokens
 
 
+def test_a_schema_no_finite_value_satisfies_fails_its_request(fuzz_model):
+    """An object whose required property refers back to it ({"c": {"c": ...}} without end):
+    the grammar forces tokens without end and llguidance's fast-forward stops at its item
+    limit. The request ends in an error saying so, naming its field; another runs on."""
+    endless = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+               "required": ["c"]}}, "$ref": "#/$defs/n"}  # fmt: skip
+    engine = _engine(fuzz_model)
+    prompt = engine.tokenizer.encode("Give me JSON:")
+    so = StructuredOutputsParams(json=endless, field="response_format")
+    engine.add_request("endless", prompt, _params(so, temperature=0.0, max_tokens=30))
+    engine.add_request("ok", prompt, _params(StructuredOutputsParams(json=SCHEMA),
+                                             temperature=0.0, max_tokens=24))  # fmt: skip
+    out = drain(engine).choices
+    ((_, end),) = out["endless"].items()
+    assert end.finish_reason == "error" and "without end" in end.error, end.error
+    assert end.error.startswith("response_format:")
+    assert out["ok"][0].finish_reason in ("stop", "length")
+    assert_no_leaks(engine)
+
+
 def test_regex_choice_and_json_object(fuzz_model):
     engine = _engine(fuzz_model)
     prompt = engine.tokenizer.encode("Answer:")

@@ -205,6 +205,7 @@ def test_a_oneof_whose_branches_overlap_is_checked_after(server):
     r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "'oneOf'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "invalid_value"  # as a 400 before generation (was null)
     either = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"const": "x"}]}
     body["response_format"]["json_schema"]["schema"] = either  # disjoint: every answer valid
     assert httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).status_code == 200

@@ -255,6 +255,10 @@ class Scheduler:
         if first_line.startswith("NoExtension"):  # the lexer found no token that could follow
             request.error = (f"{field}: the grammar allows nothing after this point (a part no "
                              "value satisfies, e.g. a $ref that refers only to itself)")  # fmt: skip
+        elif "ff_tokens" in first_line:  # the forced tokens never end: no finite value fits
+            request.error = (f"{field}: the grammar forces tokens without end (no finite value "
+                             "satisfies it, e.g. a required property whose schema refers back "
+                             f"to its object): {first_line}")  # fmt: skip
         request.error_param = field
 
     # -- leaving early -----------------------------------------------------------------------

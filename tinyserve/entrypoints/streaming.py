@@ -68,7 +68,9 @@ def engine_error(e: Exception) -> OpenAIError:
             429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
         )
     if isinstance(e, RequestRejectedError):
-        return OpenAIError(400, str(e), "invalid_request_error", param=e.param)
+        return OpenAIError(
+            400, str(e), "invalid_request_error", param=e.param, code="invalid_value"
+        )
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
     return OpenAIError(500, f"internal error: {e}", "internal_error", code="internal_error")

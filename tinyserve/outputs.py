@@ -171,6 +171,9 @@ class StepOutput:
     # on, token by token (the detokenizer's rule; for the tool parser's stop strings,
     # tool_stream.StopAtText): 0 all of it, None none of it.
     armed_from: int | None = 0
+    # A step of several tokens (a verified draft run): where in text_delta each token's text
+    # ends, so that a stop string of the answer's text (StopAtText) ends the count there.
+    token_ends: list[int] | None = None
     error: str | None = None
     error_param: str | None = None  # set when the request is at fault: a 400 naming this field
     prompt_index: int = 0  # which of the request's prompts this choice continues

@@ -172,7 +172,7 @@ class OutputProcessor:
         new_ids = list(runner_out.sampled_token_ids.get(rid, ()))
         finish_reason = req.status.finish_reason if req.is_finished else None
         stop_reason = req.stop_reason
-        text_delta, armed_from = "", 0
+        text_delta, armed_from, token_ends = "", 0, None
         num_output = req.num_output_tokens
         detok = parent.detokenizers.get(rid)
         if detok is not None:
@@ -184,9 +184,10 @@ class OutputProcessor:
                     and not req.sampling_params.include_stop_str_in_output):  # fmt: skip
                 shown = new_ids[:-1]
             first = req.sampling_params.min_tokens - (num_output - len(new_ids)) - 1
-            text_delta, stop_str, used, armed_from = _detokenize_armed(
+            text_delta, stop_str, used, ends, armed_from = _detokenize_armed(
                 detok, shown, req.is_finished, first
             )
+            token_ends = ends if len(new_ids) > 1 else None
             if stop_str is not None:
                 if not req.is_finished:
                     stops.append(rid)
@@ -217,6 +218,7 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
             armed_from=armed_from,
+            token_ends=token_ends,
             prompt_logprobs=prompt_lps,
         )
 
@@ -282,22 +284,25 @@ def _detokenize_armed(detok, token_ids: list[int], finished: bool, first: int):
         return *_detokenize(detok, token_ids, finished), 0
     if first >= len(token_ids):
         return *_detokenize(detok, token_ids, finished), None
-    head, _, _ = _detokenize(detok, token_ids[:first], False)
-    tail, stop, used = _detokenize(detok, token_ids[first:], finished)
-    return head + tail, stop, first + used, len(head)
+    head, _, _, ends = _detokenize(detok, token_ids[:first], False)
+    tail, stop, used, tail_ends = _detokenize(detok, token_ids[first:], finished)
+    ends = None if ends is None or tail_ends is None else ends + [len(head) + e for e in tail_ends]
+    return head + tail, stop, first + used, ends, len(head)
 
 
-def _detokenize(detok, token_ids: list[int], finished: bool) -> tuple[str, str | None, int]:
+def _detokenize(detok, token_ids: list[int], finished: bool):
     """Feed a step's tokens one at a time (several with speculative decoding), so a stop
     string ends the output at the token that completes it, as in plain decoding. Returns
-    (text delta, the stop string or None, how many tokens were used)."""
+    (text delta, the stop string or None, how many tokens were used, where in the delta
+    each used token's text ends: StepOutput.token_ends)."""
     if len(token_ids) <= 1:
         delta, stop_str = detok.update(token_ids, finished=finished)
-        return delta, stop_str, len(token_ids)
-    parts = []
+        return delta, stop_str, len(token_ids), [len(delta)] * len(token_ids)
+    parts, ends = [], []
     for i, token_id in enumerate(token_ids):
         delta, stop_str = detok.update([token_id], finished=finished and i == len(token_ids) - 1)
         parts.append(delta)
+        ends.append((ends[-1] if ends else 0) + len(delta))
         if stop_str is not None:
-            return "".join(parts), stop_str, i + 1
-    return "".join(parts), None, len(token_ids)
+            return "".join(parts), stop_str, i + 1, ends
+    return "".join(parts), None, len(token_ids), ends

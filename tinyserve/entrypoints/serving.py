@@ -72,6 +72,9 @@ class Job:
     # With tools, the stop strings match the answer's text, not the raw output (its wrapper):
     # they leave the engine's params for the tool parser (tool_stream.StopAtText).
     stops: tuple[str, ...] = ()
+    # Streamed: a choice its text's stop string ended -> its output tokens up to the stop
+    # (tool_stream.feed_step; the engine counts what ran on until the abort).
+    stop_counts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tools and self.params.stop:

@@ -33,7 +33,7 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     usage_info,
 )
-from tinyserve.entrypoints.tool_stream import feed, unarmed_chars, visible_stop
+from tinyserve.entrypoints.tool_stream import feed_step, visible_stop
 from tinyserve.outputs import StepOutput, Usage
 
 
@@ -167,8 +167,12 @@ class ChatServing(OpenAIServing):
             parser = job.parsers.get(out.index)
             if parser is None:
                 parser = job.parsers[out.index] = self.tool_stream(job)
-            events = feed(parser, text, unarmed_chars(out, text))
+            events, used = feed_step(parser, out, text)
             events += parser.finish(finish) if finish is not None else []
+            if used is not None:  # its text's stop: the tokens (and logprobs) up to it
+                job.stop_counts[out.index] = out.num_output_tokens - len(out.new_token_ids) + used
+                if lp is not None:
+                    lp = L.chat_logprobs(out.logprobs[:used], self.token_str, self.token_bytes)
             if not events and out.logprobs and lp is not None and visible_stop(parser) is None:
                 events = [({}, None)]
             stop = visible_stop(parser) or out.stop_reason

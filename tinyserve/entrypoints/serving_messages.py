@@ -31,11 +31,11 @@ from tinyserve.entrypoints.streaming import (
     finish_reason_of,
     off_loop,
     outputs,
-    stream_deltas,
+    step_deltas,
 )
 from tinyserve.entrypoints.structured_options import json_answer_schema, with_json_options
 from tinyserve.entrypoints.tool_formats import tool_format
-from tinyserve.entrypoints.tool_stream import unarmed_chars, visible_stop
+from tinyserve.entrypoints.tool_stream import visible_stop
 from tinyserve.outputs import Usage
 from tinyserve.sampling_params import SamplingParams
 
@@ -123,7 +123,10 @@ class MessagesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage, finish, stop = out.usage or usage, finish_reason_of(out), out.stop_reason
                 tokens = out.num_output_tokens
-                for delta in stream_deltas(parser, out.text_delta, finish, unarmed_chars(out)):
+                deltas, used = step_deltas(parser, out, out.text_delta, finish)
+                if used is not None:  # its text's stop: the tokens up to it
+                    tokens = out.num_output_tokens - len(out.new_token_ids) + used
+                for delta in deltas:
                     for event in blocks.feed(delta):
                         yield event
                 if visible_stop(parser) is not None and out.usage is None:
@@ -137,7 +140,7 @@ class MessagesServing(OpenAIServing):
         if (text_stop := visible_stop(parser)) is not None:  # a stop string in the text
             finish, stop = "stop", text_stop
         reason, sequence = A.stop_reason(finish, stop, blocks.called and finish != "length")
-        output_tokens = usage.completion_tokens if usage else tokens
+        output_tokens = usage.completion_tokens if usage and text_stop is None else tokens
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                "usage": {"output_tokens": output_tokens}}  # fmt: skip
         yield {"type": "message_stop"}

@@ -40,10 +40,11 @@ from tinyserve.entrypoints.streaming import (
     finish_reason_of,
     off_loop,
     outputs,
+    step_deltas,
     stream_deltas,
 )
-from tinyserve.entrypoints.tool_stream import unarmed_chars, visible_stop
-from tinyserve.outputs import Usage
+from tinyserve.entrypoints.tool_stream import visible_stop
+from tinyserve.outputs import StepOutput, Usage
 
 
 @dataclass
@@ -126,13 +127,12 @@ class ResponsesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage = out.usage or usage
                 finish = finish_reason_of(out)
-                for event in _answer_events(
-                    job, parser, out.text_delta, finish, unarmed_chars(out)
-                ):
+                for event in _answer_events(job, parser, out.text_delta, finish, out=out):
                     yield event
                 if visible_stop(parser) is not None and out.usage is None:  # a stop string of
                     stream.abort()  # the text (Job.stops): nothing more to send
-                    usage = Usage(len(job.prompts[0]), out.num_output_tokens)
+                    tokens = job.stop_counts.get(0, out.num_output_tokens)  # up to the stop
+                    usage = Usage(len(job.prompts[0]), tokens)
                     break
         except (RequestFailedError, EngineDeadError) as e:
             for event in builder.fail(engine_error(e)):
@@ -142,17 +142,31 @@ class ResponsesServing(OpenAIServing):
             yield event
 
 
-def _answer_events(job: ResponsesJob, parser: Any, text: str, finish: str | None, unarmed: int = 0):
+def _answer_events(
+    job: ResponsesJob,
+    parser: Any,
+    text: str,
+    finish: str | None,
+    unarmed: int = 0,
+    out: StepOutput | None = None,
+):
     """A piece of the answer's text as the builder's events: its thinking (with a splitter)
     as reasoning, the rest through the tool parser as content and calls (stop strings not
-    counting in its first ``unarmed`` characters: min_tokens)."""
+    counting in its first ``unarmed`` characters: min_tokens; streamed, ``out`` the step,
+    whose text stop's token count goes to Job.stop_counts)."""
     if job.splitter is not None:
         reasoning, content = job.splitter.step(text, finish is not None)
         yield from job.builder.reasoning(reasoning)
         if content != text:  # split: none of it counts where any of the piece did not
             unarmed = 0 if unarmed == 0 else len(content)
         text = content
-    for delta in stream_deltas(parser, text, finish, unarmed):
+    if out is None:
+        deltas = stream_deltas(parser, text, finish, unarmed)
+    else:
+        deltas, used = step_deltas(parser, out, text, finish)
+        if used is not None:
+            job.stop_counts[0] = out.num_output_tokens - len(out.new_token_ids) + used
+    for delta in deltas:
         yield from job.builder.chat_delta(delta)
 
 

@@ -6,6 +6,7 @@ watching for a client that goes away, mapping engine errors to HTTP statuses, an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -27,7 +28,7 @@ from tinyserve.engine.client import (
 )
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints.protocol import OpenAIError
-from tinyserve.entrypoints.tool_stream import feed
+from tinyserve.entrypoints.tool_stream import feed, feed_step
 from tinyserve.outputs import StepOutput, TokenLogprob, Usage, count_cached
 
 if TYPE_CHECKING:
@@ -129,18 +130,22 @@ class ChunkFrame:
             yield self.mark(chunk)
         async for out in outputs(stream):
             self.usage = out.usage or self.usage
-            self.counts[out.index] = out.num_output_tokens
             self.cached = count_cached(
                 self.cached_by_prompt, out.prompt_index, out.num_cached_tokens
             )  # as the final usage counts them
-            for chunk in per_output(out, finish_reason_of(out)):
+            chunks = per_output(out, finish_reason_of(out))
+            stopped = self.job.stop_counts  # (up to a text stop, not what ran on after it)
+            self.counts[out.index] = stopped.get(out.index, out.num_output_tokens)
+            for chunk in chunks:
                 yield self.mark(chunk)
             if self.job.answered() and out.usage is None:  # every choice ended by a stop
                 stream.abort()  # string of its text (Job.stops): nothing more to send
                 break
         if self.job.include_usage:  # (the counts so far where the request was aborted)
-            usage = usage_info(self.usage or self._so_far()).model_dump()
-            yield {**self.head, "choices": [], "usage": usage}
+            usage = self.usage or self._so_far()
+            if self.usage is not None and self.job.stop_counts:
+                usage = dataclasses.replace(usage, completion_tokens=sum(self.counts.values()))
+            yield {**self.head, "choices": [], "usage": usage_info(usage).model_dump()}
 
     def mark(self, chunk: dict[str, Any]) -> dict[str, Any]:
         job = self.job
@@ -203,28 +208,35 @@ async def collect(
     and the usage counts the tokens so far. A choice whose text has met its stop while
     others run on keeps counting its tokens, but takes no more text or logprobs."""
     choices: dict[int, Choice] = {}
-    usage, prompt_tokens = None, {}
+    usage, prompt_tokens, cached = None, {}, {}
     async for out in outputs(stream):
         c = choices.setdefault(out.index, Choice(prompt_index=out.prompt_index))
-        c.num_tokens += len(out.new_token_ids)
         usage = out.usage or usage
         prompt_tokens[out.prompt_index] = out.num_prompt_tokens
+        cached[out.prompt_index] = out.num_cached_tokens
         if answered is not None and answered.stopped(out.index):
-            continue
+            continue  # past its text's stop: neither text, logprobs nor tokens count
         c.finish_reason = finish_reason_of(out)
         if c.armed_at is None and out.armed_from is not None:
             c.armed_at = len(c.text) + out.armed_from
         c.text += out.text_delta
-        c.logprobs.extend(out.logprobs)
+        done = answered is not None and answered(out)
+        took = len(out.new_token_ids)  # (of the stopping step, the tokens up to its stop)
+        took = answered.used.get(out.index, took) if answered is not None else took
+        c.num_tokens += took
+        c.logprobs.extend(out.logprobs[:took])
         c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
         c.stop_reason = out.stop_reason
-        if answered is not None and answered(out) and out.usage is None:
+        if done and out.usage is None:
             stream.abort()
-            usage = Usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))
             break
-    for i, c in choices.items():  # ended by a stop string of its text
-        if answered is not None and answered.stopped(i):
-            c.finish_reason = c.finish_reason or "stop"
+    stopped = [i for i in choices if answered is not None and answered.stopped(i)]
+    for i in stopped:  # ended by a stop string of its text
+        choices[i].finish_reason = choices[i].finish_reason or "stop"
+    if stopped:  # the tokens up to each choice's stop (the engine counted what ran on)
+        counted = sum(c.num_tokens for c in choices.values())
+        usage = dataclasses.replace(usage, completion_tokens=counted) if usage else Usage(
+            sum(prompt_tokens.values()), counted, sum(cached.values()))  # fmt: skip
     return [choices[i] for i in sorted(choices)], usage
 
 
@@ -304,6 +316,18 @@ async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> Asyn
         await events.aclose()  # type: ignore[attr-defined]
     if not typed:
         yield "[DONE]"
+
+
+def step_deltas(
+    parser: Any, out: StepOutput, text: str, finish: str | None
+) -> tuple[list[dict[str, Any]], int | None]:
+    """stream_deltas of a step's ``text`` (its text_delta, or a reasoning splitter's part of
+    it), and the tokens of the step its text's stop string took (tool_stream.feed_step)."""
+    if parser is None:
+        return [{"content": text}], None
+    events, used = feed_step(parser, out, text)
+    events += parser.finish(finish) if finish is not None else []
+    return [delta for delta, _ in events], used
 
 
 def stream_deltas(

@@ -347,6 +347,30 @@ def unarmed_chars(out, text: str | None = None) -> int:
     return 0 if out.armed_from == 0 else len(text)  # a split step: all of it, to be safe
 
 
+def feed_step(parser, out, text: str | None = None) -> tuple[list[Event], int | None]:
+    """A step's text (``out.text_delta``, or ``text``: a reasoning splitter's part of it)
+    through ``feed`` -> (events, how many of the step's tokens its text stop took: the
+    tokens up to the one that completed it, where this feed met it; else None). A step of
+    several tokens (StepOutput.token_ends) is fed a token at a time, so that the count (the
+    usage, the logprobs) ends where the text does, as the detokenizer's stop strings do."""
+    text = out.text_delta if text is None else text
+    ends = out.token_ends if text == out.text_delta else None
+    unarmed = unarmed_chars(out, text)
+    if not isinstance(parser, StopAtText) or parser.stop_reason is not None:
+        return feed(parser, text, unarmed), None  # no stops, or met before this step
+    if not ends:
+        events = feed(parser, text, unarmed)
+        return events, len(out.new_token_ids) if parser.stop_reason is not None else None
+    events, start = [], 0
+    for j, end in enumerate(ends):
+        events += feed(parser, text[start:end], min(max(unarmed - start, 0), end - start))
+        start = end
+        if parser.stop_reason is not None:
+            return events, j + 1
+    events += feed(parser, text[start:], max(unarmed - start, 0)) if start < len(text) else []
+    return events, len(out.new_token_ids) if parser.stop_reason is not None else None
+
+
 def visible_stop(parser) -> str | None:
     """The stop string that ended a choice's text (StopAtText), or None."""
     return parser.stop_reason if isinstance(parser, StopAtText) else None
@@ -361,6 +385,7 @@ class AllStopped:
     def __init__(self, make, choices: int) -> None:
         self._make, self._choices = make, choices
         self._parsers: dict[int, StopAtText] = {}
+        self.used: dict[int, int] = {}  # choice -> the tokens of its stopping step it took
 
     def stopped(self, index: int) -> bool:
         parser = self._parsers.get(index)
@@ -368,6 +393,8 @@ class AllStopped:
 
     def __call__(self, out) -> bool:
         parser = self._parsers.get(out.index) or self._parsers.setdefault(out.index, self._make())
-        feed(parser, out.text_delta, unarmed_chars(out))
+        _, used = feed_step(parser, out)
+        if used is not None:
+            self.used[out.index] = used
         parsers = self._parsers.values()
         return len(parsers) == self._choices and all(map(visible_stop, parsers))

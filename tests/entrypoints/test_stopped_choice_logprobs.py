@@ -90,3 +90,13 @@ def test_a_draft_run_past_the_stop_counts_to_the_token_that_met_it():
     ((c,), usage) = asyncio.run(collect(stream, answered))
     assert [lp.token_id for lp in c.logprobs] == [0, 1, 2] and c.num_tokens == 3
     assert usage == Usage(5, 3, 4)
+
+
+def test_aborted_usage_counts_each_prompts_cache_at_its_fewest():
+    """Aborted by the text stops, the usage's cached tokens are the engine's rule
+    (count_cached: each prompt once, at the fewest its choices found), not the last seen."""
+    outs = [StepOutput("r", [0], '{"content": "a b', index=0, num_cached_tokens=0),
+            StepOutput("r", [1], '{"content": "b', index=1, num_cached_tokens=16)]  # fmt: skip
+    answered = AllStopped(lambda: StopAtText(EnvelopeStream(), ["b"]), 2)
+    _, usage = asyncio.run(collect(_Stream(outs), answered))
+    assert usage.cached_tokens == 0 and usage.completion_tokens == 2

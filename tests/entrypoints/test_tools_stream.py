@@ -427,3 +427,12 @@ def test_a_speculative_run_crossing_min_tokens_is_armed_from_its_token():
         text = "".join(d.get("content", "") for d, _ in events)
         assert text == ("aXbc" if stops == ["X"] else "aXb"), stops
     assert plain == "aXb"  # (the X did not count there either; the c did)
+
+
+def test_held_text_that_never_became_content_leaves_the_unarmed_budget():
+    """Whitespace Hermes held from an unarmed feed and then dropped (a call followed it):
+    the first characters of content after the call are matched again, not skipped."""
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    parser = StopAtText(HermesStream(), ["X"])
+    events = parser.feed("Hi \n", armed=False) + parser.feed(call) + parser.feed("X and more")
+    assert parser.stop_reason == "X", events

@@ -13,6 +13,7 @@ request (streaming.outputs / until_disconnect, as for chat).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -132,12 +133,14 @@ class ResponsesServing(OpenAIServing):
                 if visible_stop(parser) is not None and out.usage is None:  # a stop string of
                     stream.abort()  # the text (Job.stops): nothing more to send
                     tokens = job.stop_counts.get(0, out.num_output_tokens)  # up to the stop
-                    usage = Usage(len(job.prompts[0]), tokens)
+                    usage = Usage(len(job.prompts[0]), tokens, out.num_cached_tokens)
                     break
         except (RequestFailedError, EngineDeadError) as e:
             for event in builder.fail(engine_error(e)):
                 yield event
             return
+        if usage is not None and 0 in job.stop_counts:  # met in the last output: the engine
+            usage = dataclasses.replace(usage, completion_tokens=job.stop_counts[0])  # ran on
         for event in builder.finish("stop" if visible_stop(parser) else finish, usage):
             yield event
 

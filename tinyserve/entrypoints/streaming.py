@@ -208,12 +208,12 @@ async def collect(
     and the usage counts the tokens so far. A choice whose text has met its stop while
     others run on keeps counting its tokens, but takes no more text or logprobs."""
     choices: dict[int, Choice] = {}
-    usage, prompt_tokens, cached = None, {}, {}
+    usage, prompt_tokens, cached, cached_total = None, {}, {}, 0
     async for out in outputs(stream):
         c = choices.setdefault(out.index, Choice(prompt_index=out.prompt_index))
         usage = out.usage or usage
         prompt_tokens[out.prompt_index] = out.num_prompt_tokens
-        cached[out.prompt_index] = out.num_cached_tokens
+        cached_total = count_cached(cached, out.prompt_index, out.num_cached_tokens)
         if answered is not None and answered.stopped(out.index):
             continue  # past its text's stop: neither text, logprobs nor tokens count
         c.finish_reason = finish_reason_of(out)
@@ -236,7 +236,7 @@ async def collect(
     if stopped:  # the tokens up to each choice's stop (the engine counted what ran on)
         counted = sum(c.num_tokens for c in choices.values())
         usage = dataclasses.replace(usage, completion_tokens=counted) if usage else Usage(
-            sum(prompt_tokens.values()), counted, sum(cached.values()))  # fmt: skip
+            sum(prompt_tokens.values()), counted, cached_total)  # fmt: skip
     return [choices[i] for i in sorted(choices)], usage
 
 

@@ -292,8 +292,11 @@ class StopAtText:
         if self.stop_reason is not None:
             return []
         out = self._filter(self.inner.feed(text), armed)
-        if not armed:
-            self._free = getattr(self.inner, "held", lambda: 0)()
+        held = getattr(self.inner, "held", lambda: 0)()
+        # Unarmed: all it holds came before min_tokens. Armed: held text that never became
+        # content (whitespace before a call) leaves the budget too, or it would skip the
+        # first characters of content after the call.
+        self._free = held if not armed else min(self._free, held)
         return out
 
     def finish(self, finish_reason: str) -> list[Event]:

@@ -294,8 +294,7 @@ class StopAtText:
         out = self._filter(self.inner.feed(text), armed)
         held = getattr(self.inner, "held", lambda: 0)()
         # Unarmed: all it holds came before min_tokens. Armed: held text that never became
-        # content (whitespace before a call) leaves the budget too, or it would skip the
-        # first characters of content after the call.
+        # content (whitespace before a call) leaves the budget, not skipping later content.
         self._free = held if not armed else min(self._free, held)
         return out
 
@@ -357,21 +356,17 @@ def feed_step(parser, out, text: str | None = None) -> tuple[list[Event], int | 
     several tokens (StepOutput.token_ends) is fed a token at a time, so that the count (the
     usage, the logprobs) ends where the text does, as the detokenizer's stop strings do."""
     text = out.text_delta if text is None else text
-    ends = out.token_ends if text == out.text_delta else None
     unarmed = unarmed_chars(out, text)
     if not isinstance(parser, StopAtText) or parser.stop_reason is not None:
         return feed(parser, text, unarmed), None  # no stops, or met before this step
-    if not ends:
-        events = feed(parser, text, unarmed)
-        return events, len(out.new_token_ids) if parser.stop_reason is not None else None
+    exact = out.token_ends if text == out.text_delta else None  # (ends at len(text))
     events, start = [], 0
-    for j, end in enumerate(ends):
+    for j, end in enumerate(exact or [len(text)]):
         events += feed(parser, text[start:end], min(max(unarmed - start, 0), end - start))
         start = end
         if parser.stop_reason is not None:
-            return events, j + 1
-    events += feed(parser, text[start:], max(unarmed - start, 0)) if start < len(text) else []
-    return events, len(out.new_token_ids) if parser.stop_reason is not None else None
+            return events, j + 1 if exact else len(out.new_token_ids)
+    return events, None
 
 
 def visible_stop(parser) -> str | None:

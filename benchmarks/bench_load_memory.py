@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
+from trees import this_tree_and  # noqa: E402
 
 from tinyserve.testing.server import start_server  # noqa: E402
 
@@ -85,15 +85,8 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/load_memory.json")
     p.add_argument("serve_args", nargs="*", help="after --: extra `tinyserve serve` flags")
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench_mem_"))
-    base = work / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline_rev],
-                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                          capture_output=True, check=True).stdout.strip()  # fmt: skip
-    trees = {f"this tree ({head}+)": ROOT, f"baseline {args.baseline_rev}": base}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-    try:
+    with this_tree_and(args.baseline_rev, "bench_mem_") as (work, trees):
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for tree in trees.values():  # warm-up: each tree's kernels compiled once
             one_start(tree, args.serve_args, 8, work / "warm.log")
         for rep in range(args.reps):
@@ -102,8 +95,6 @@ def main() -> int:
                 runs[name].append(r)
                 print(f"rep {rep} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
     cells = {name: {k: [round(f(r[k] for r in rs), 2) for f in (min, statistics.median, max)]
                     for k in rs[0]} for name, rs in runs.items()}  # fmt: skip
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -28,12 +28,12 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
+from trees import this_tree_and  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TINYSERVE_NO_PROGRESS", "1")
@@ -111,15 +111,8 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
-    work = Path(tempfile.mkdtemp(prefix="bench_long_"))
-    base = work / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline_rev],
-                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                          capture_output=True, check=True).stdout.strip()  # fmt: skip
-    trees = {f"this tree ({head}+)": ROOT, f"baseline {args.baseline_rev}": base}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-    try:
+    with this_tree_and(args.baseline_rev, "bench_long_") as (_, trees):
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for rep in range(args.reps):
             names = list(trees) if rep % 2 == 0 else list(trees)[::-1]
             for name in names:
@@ -129,8 +122,6 @@ def main() -> int:
                     f"rep {rep} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
                     flush=True,
                 )
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
     cells = {}
     for name, rs in runs.items():
         cells[name] = {k: [round(f(r[k] for r in rs), 2) for f in (min, statistics.median, max)]

@@ -286,8 +286,7 @@ def _detokenize_armed(detok, token_ids: list[int], finished: bool, first: int):
         return *_detokenize(detok, token_ids, finished), None
     head, _, _, ends = _detokenize(detok, token_ids[:first], False)
     tail, stop, used, tail_ends = _detokenize(detok, token_ids[first:], finished)
-    ends = None if ends is None or tail_ends is None else ends + [len(head) + e for e in tail_ends]
-    return head + tail, stop, first + used, ends, len(head)
+    return head + tail, stop, first + used, ends + [len(head) + e for e in tail_ends], len(head)
 
 
 def _detokenize(detok, token_ids: list[int], finished: bool):

@@ -31,6 +31,7 @@ from tinyserve.entrypoints.streaming import (
     Choice,
     input_size,
     off_loop,
+    tokens_to_stop,
     usage_info,
 )
 from tinyserve.entrypoints.tool_stream import feed_step, visible_stop
@@ -170,7 +171,7 @@ class ChatServing(OpenAIServing):
             events, used = feed_step(parser, out, text)
             events += parser.finish(finish) if finish is not None else []
             if used is not None:  # its text's stop: the tokens (and logprobs) up to it
-                job.stop_counts[out.index] = out.num_output_tokens - len(out.new_token_ids) + used
+                job.stop_counts[out.index] = tokens_to_stop(out, used)
                 if lp is not None:
                     lp = L.chat_logprobs(out.logprobs[:used], self.token_str, self.token_bytes)
             if not events and out.logprobs and lp is not None and visible_stop(parser) is None:

@@ -32,6 +32,7 @@ from tinyserve.entrypoints.streaming import (
     off_loop,
     outputs,
     step_deltas,
+    tokens_to_stop,
 )
 from tinyserve.entrypoints.structured_options import json_answer_schema, with_json_options
 from tinyserve.entrypoints.tool_formats import tool_format
@@ -125,7 +126,7 @@ class MessagesServing(OpenAIServing):
                 tokens = out.num_output_tokens
                 deltas, used = step_deltas(parser, out, out.text_delta, finish)
                 if used is not None:  # its text's stop: the tokens up to it
-                    tokens = out.num_output_tokens - len(out.new_token_ids) + used
+                    tokens = tokens_to_stop(out, used)
                 for delta in deltas:
                     for event in blocks.feed(delta):
                         yield event

@@ -43,6 +43,7 @@ from tinyserve.entrypoints.streaming import (
     outputs,
     step_deltas,
     stream_deltas,
+    tokens_to_stop,
 )
 from tinyserve.entrypoints.tool_stream import visible_stop
 from tinyserve.outputs import StepOutput, Usage
@@ -168,7 +169,7 @@ def _answer_events(
     else:
         deltas, used = step_deltas(parser, out, text, finish)
         if used is not None:
-            job.stop_counts[0] = out.num_output_tokens - len(out.new_token_ids) + used
+            job.stop_counts[0] = tokens_to_stop(out, used)
     for delta in deltas:
         yield from job.builder.chat_delta(delta)
 

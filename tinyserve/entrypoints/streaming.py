@@ -318,6 +318,12 @@ async def _sse_lines(events: AsyncIterator[dict[str, Any]], typed: bool) -> Asyn
         yield "[DONE]"
 
 
+def tokens_to_stop(out: StepOutput, used: int) -> int:
+    """A choice's output tokens up to its text's stop string, met ``used`` tokens into
+    ``out`` (tool_stream.feed_step; the engine counts what ran on after)."""
+    return out.num_output_tokens - len(out.new_token_ids) + used
+
+
 def step_deltas(
     parser: Any, out: StepOutput, text: str, finish: str | None
 ) -> tuple[list[dict[str, Any]], int | None]:

@@ -31,7 +31,7 @@ from tinyserve.entrypoints.streaming import (
     finish_reason_of,
     off_loop,
     outputs,
-    step_deltas,
+    stream_deltas,
     tokens_to_stop,
 )
 from tinyserve.entrypoints.structured_options import json_answer_schema, with_json_options
@@ -124,7 +124,7 @@ class MessagesServing(OpenAIServing):
             async for out in outputs(stream):
                 usage, finish, stop = out.usage or usage, finish_reason_of(out), out.stop_reason
                 tokens = out.num_output_tokens
-                deltas, used = step_deltas(parser, out, out.text_delta, finish)
+                deltas, used = stream_deltas(parser, out.text_delta, finish, out=out)
                 if used is not None:  # its text's stop: the tokens up to it
                     tokens = tokens_to_stop(out, used)
                 for delta in deltas:

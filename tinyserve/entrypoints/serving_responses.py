@@ -41,7 +41,6 @@ from tinyserve.entrypoints.streaming import (
     finish_reason_of,
     off_loop,
     outputs,
-    step_deltas,
     stream_deltas,
     tokens_to_stop,
 )
@@ -164,12 +163,9 @@ def _answer_events(
         if content != text:  # split: none of it counts where any of the piece did not
             unarmed = 0 if unarmed == 0 else len(content)
         text = content
-    if out is None:
-        deltas = stream_deltas(parser, text, finish, unarmed)
-    else:
-        deltas, used = step_deltas(parser, out, text, finish)
-        if used is not None:
-            job.stop_counts[0] = tokens_to_stop(out, used)
+    deltas, used = stream_deltas(parser, text, finish, unarmed, out)
+    if used is not None:
+        job.stop_counts[0] = tokens_to_stop(out, used)
     for delta in deltas:
         yield from job.builder.chat_delta(delta)
 

@@ -204,9 +204,10 @@ async def collect(
 ) -> tuple[list[Choice], Usage | None]:
     """A non-streamed request: every choice in index order, and the request's usage.
     ``answered(out)`` (fed every output; tool_stream.AllStopped): True once nothing more is
-    wanted (every choice ended by a stop string of its text): the request is aborted there
-    and the usage counts the tokens so far. A choice whose text has met its stop while
-    others run on keeps counting its tokens, but takes no more text or logprobs."""
+    wanted (every choice ended by a stop string of its text): the request is aborted there.
+    A choice that met such a stop counts its tokens and logprobs to the token that completed
+    it (tool_stream.feed_step) and takes nothing after, while others run on; the usage's
+    completion_tokens are then these counts, not the engine's."""
     choices: dict[int, Choice] = {}
     usage, prompt_tokens, cached, cached_total = None, {}, {}, 0
     async for out in outputs(stream):
@@ -324,24 +325,16 @@ def tokens_to_stop(out: StepOutput, used: int) -> int:
     return out.num_output_tokens - len(out.new_token_ids) + used
 
 
-def step_deltas(
-    parser: Any, out: StepOutput, text: str, finish: str | None
+def stream_deltas(
+    parser: Any, text: str, finish: str | None, unarmed: int = 0, out: StepOutput | None = None
 ) -> tuple[list[dict[str, Any]], int | None]:
-    """stream_deltas of a step's ``text`` (its text_delta, or a reasoning splitter's part of
-    it), and the tokens of the step its text's stop string took (tool_stream.feed_step)."""
+    """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads
+    (stop strings not counting in its first ``unarmed`` characters: tool_stream.feed); of a
+    step (``out``; ``text`` its text_delta or a reasoning splitter's part of it), fed through
+    tool_stream.feed_step, with the tokens of the step its text's stop took (else None)."""
     if parser is None:
         return [{"content": text}], None
-    events, used = feed_step(parser, out, text)
+    stepped = out is not None
+    events, used = feed_step(parser, out, text) if stepped else (feed(parser, text, unarmed), None)
     events += parser.finish(finish) if finish is not None else []
     return [delta for delta, _ in events], used
-
-
-def stream_deltas(
-    parser: Any, text: str, finish: str | None, unarmed: int = 0
-) -> list[dict[str, Any]]:
-    """Chat deltas of ``text``: content, or with tools what the tool-stream parser reads
-    (stop strings not counting in its first ``unarmed`` characters: tool_stream.feed)."""
-    if parser is None:
-        return [{"content": text}]
-    events = feed(parser, text, unarmed) + (parser.finish(finish) if finish is not None else [])
-    return [delta for delta, _ in events]

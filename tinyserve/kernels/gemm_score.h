@@ -5,7 +5,8 @@
 // SCORE_SLICE outputs at a time:
 //   1. each target's logit alone: a 1-row, 1-group tile, by the contract (gemm.c) the bits
 //      the same output has in any tiling;
-//   2. per slice (threads take contiguous runs of slices) and panel of PANEL rows, the
+//   2. per slice (threads take contiguous runs of slices; its codes converted to bf16 pairs
+//      once for all its panels where that pays: SCORE_PACKS) and panel of PANEL rows, the
 //      tiles' outputs into this thread's [PANEL, SCORE_SLICE] buffer, then per row
 //      logprob.h's scan (maximum, count above the target, top k carried from slice to
 //      slice) and the slice's sum of exp(x - its maximum);

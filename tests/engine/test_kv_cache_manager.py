@@ -221,3 +221,23 @@ def test_hits_must_be_for_a_new_request():
     admit(kv, b)
     with pytest.raises(ValueError):
         kv.allocate_slots(b, 1, [0])
+
+
+def test_a_leaving_request_hashes_what_its_last_step_accepted():
+    """Slots for drafts are allocated before they are the request's tokens, so their blocks
+    are hashed at the next allocation; the last step's never were (a conversation's next
+    turn repeats them). ``cache_computed`` hashes them, never past the computed tokens."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(5)))
+    admit(kv, a)
+    a.num_computed_tokens = 4  # the last prompt token's K/V not yet written: decodes it
+    assert kv.allocate_slots(a, 1 + 6) is not None  # with 6 drafts: slots to 11
+    for token in (5, 6, 7, 8, 9):  # 4 drafts accepted and the bonus token: 10 tokens
+        a.append_output_token(token)
+    a.num_computed_tokens = 5 + 4  # 9 written (the bonus token's is not)
+    probe = make_request("b", list(range(10)) + [99])
+    assert kv.get_computed_blocks(probe)[1] == 4  # only the prompt's full block
+    kv.cache_computed(a)
+    assert kv.get_computed_blocks(probe)[1] == 8  # tokens 4-7 too; 8-9 fill no block
+    kv.free("a")
+    assert kv.get_computed_blocks(probe)[1] == 8

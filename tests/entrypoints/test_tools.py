@@ -5,6 +5,7 @@ streamed calls accumulated by the official SDK's stream helper, and the 400s."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import jsonschema
@@ -346,3 +347,38 @@ def test_a_bad_response_format_beside_tools_names_itself(client, choice):
             "model": MODEL, "input": "Weather in Paris?", "tools": [tool], "tool_choice": choice,
             "text": {"format": {"type": "json_schema", **fmt["json_schema"]}}})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
+NOTE = "Bring an umbrella and a warm coat, the forecast for the whole week looks grey and wet."
+ZURICH = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Zürich", "Malmö"]},
+                                     "note": {"enum": [NOTE]}},
+    "required": ["city", "note"], "additionalProperties": False}}}  # fmt: skip
+LONG = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 500}},
+    "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool, max_tokens, slack", [(ZURICH, 100, 0), (LONG, 64, 1)])
+def test_the_next_turn_hits_the_cache_over_the_calls_tokens(client, tool, max_tokens, slack):
+    """The next turn's prompt repeats a call's tokens as generated, so the prefix cache holds
+    all of them: a call re-serialised diverged at a non-ASCII character (json.dumps's
+    ``\\u00fc``) and, for a call cut by max_tokens, at its arguments (quoted as a string).
+    ``slack``: a cut call's last token may merge with the envelope's closing text."""
+    ask = [{"role": "user", "content": f"Weather in Zürich? {uuid.uuid4().hex}"}]  # uncached
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"model": MODEL, "tools": [tool], "tool_choice": choice, "temperature": 0}
+    first = client.post("/v1/chat/completions", json={**body, "messages": ask,
+                                                       "max_tokens": max_tokens}).json()  # fmt: skip
+    message, usage = first["choices"][0]["message"], first["usage"]
+    assert first["choices"][0]["finish_reason"] == ("length" if slack else "tool_calls")
+    (call,) = message["tool_calls"]
+    assert not call["function"]["arguments"].isascii() or slack  # Zürich or Malmö
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": "12C, rain"}]  # fmt: skip
+    second = client.post("/v1/chat/completions", json={**body, "messages": history,
+                                                        "max_tokens": 4}).json()  # fmt: skip
+    # Computed KV: the prompt and every generated token but the last (sampled, never fed).
+    computed = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (computed // 16 - slack) * 16 and cached <= computed

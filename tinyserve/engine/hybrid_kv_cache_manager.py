@@ -83,6 +83,10 @@ class HybridKVCacheManager(KVCacheManager):
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
         return [group.get_block_ids(request_id) for group in self.others]
 
+    def cache_computed(self, request: Request) -> None:
+        for group in self.groups:
+            KVCacheManager.cache_computed(group, request)
+
     def free(self, request_id: str) -> None:
         for group in self.groups:
             KVCacheManager.free(group, request_id)

@@ -21,10 +21,12 @@ Ownership:
   blocks evicted since (``GONE``: their identities are kept as ghosts, so the hit is still
   exact). So a request holds at most ``config.window_live_blocks`` at once, however long it
   runs: it may outgrow the pool.
-- Hashes are registered when ``allocate_slots`` makes a block full, before the step that
-  writes its K/V runs: a request scheduled in the same step may hit it. So the runner must
-  write every new K/V of a step before attention reads (per layer), and must run every
-  request of a SchedulerOutput; if a step fails, call ``reset_prefix_cache()``.
+- Hashes are registered when ``allocate_slots`` makes a block full of the request's tokens,
+  before the step that writes its K/V: a request in the same step may hit it. So the runner
+  writes a step's K/V before attention reads (per layer) and runs every request of a
+  SchedulerOutput; if a step fails, call ``reset_prefix_cache()``. Blocks that accepted
+  drafts filled are hashed at the next allocation, or when the request leaves
+  (``cache_computed``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tinyserve.engine.kv_cache_utils import (
     block_ident,
     clear_hash,
     hash_block_tokens,
+    pool_map,
     root_hash,
 )
 from tinyserve.request import Request
@@ -53,12 +56,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, share: KVCacheManager | None = None,
                  group: int = 0):  # fmt: skip
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        window = 1 if sliding_window is None else sliding_window
+        for name, n in (("num_blocks", num_blocks), ("block_size", block_size), ("sliding_window", window)):  # fmt: skip
+            if n < 1:
+                raise ValueError(f"{name} must be >= 1, got {n}")
         self.sliding_window = sliding_window  # its layers' (None: some layer sees all)
         self.num_total_blocks = num_blocks
         self.block_size = block_size
@@ -123,17 +124,7 @@ class KVCacheManager:
         return min(every, window_live_blocks(self.sliding_window, max_chunk, self.block_size))
 
     def pool_map(self) -> str:
-        """One character per block (the live engine view): '.' free and empty, 'c' free but
-        holding a cached prefix block (reusable), 'u' held by one request, 's' held by more
-        than one (a shared prefix). Costs O(held + cached blocks), not O(pool)."""
-        chars = bytearray(b"." * self.num_total_blocks)
-        for block_id in self.cached_block_hash_to_block.values():
-            chars[block_id] = 99  # 'c'; a cached block someone holds is overwritten below
-        for group in self.groups:  # (a hybrid model's layer groups share the pool)
-            for request_id, table in group.req_to_blocks.items():
-                for block_id in table[group.num_dead_blocks(request_id) :]:
-                    chars[block_id] = 115 if self.blocks[block_id].ref_count > 1 else 117
-        return chars.decode("ascii")  # ('s' / 'u')
+        return pool_map(self)
 
     @property
     def groups(self) -> list[KVCacheManager]:
@@ -282,6 +273,12 @@ class KVCacheManager:
         self._register(request, table, num_required)
         self._release_left_of_window(request, table)
         return list(table)
+
+    def cache_computed(self, request: Request) -> None:
+        """Hash the full blocks of a leaving request's computed tokens (its last step's
+        accepted drafts, never hashed else: a conversation's next turn repeats them)."""
+        if (table := self.req_to_blocks.get(request.request_id)) is not None:
+            self._register(request, table, request.num_computed_tokens)
 
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
         return None  # a hybrid model's other layer groups' tables; here every layer reads one

@@ -58,3 +58,17 @@ def clear_hash(block: KVCacheBlock) -> None:
     block.token_ids = None
     block.content_id = None
     block.parent_content_id = None
+
+
+def pool_map(kv) -> str:
+    """One character per block (the live engine view): '.' free and empty, 'c' free but
+    holding a cached prefix block (reusable), 'u' held by one request, 's' held by more
+    than one (a shared prefix). Costs O(held + cached blocks), not O(pool)."""
+    chars = bytearray(b"." * kv.num_total_blocks)
+    for block_id in kv.cached_block_hash_to_block.values():
+        chars[block_id] = 99  # 'c'; a cached block someone holds is overwritten below
+    for group in kv.groups:  # (a hybrid model's layer groups share the pool)
+        for request_id, table in group.req_to_blocks.items():
+            for block_id in table[group.num_dead_blocks(request_id) :]:
+                chars[block_id] = 115 if kv.blocks[block_id].ref_count > 1 else 117
+    return chars.decode("ascii")  # ('s' / 'u')

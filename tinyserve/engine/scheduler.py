@@ -323,6 +323,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: the caller has taken ``request`` out of ``running``."""
+        self.kv_cache_manager.cache_computed(request)  # (its recompute hits them)
         self.kv_cache_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -337,6 +338,7 @@ class Scheduler:
         running = request.status == RequestStatus.RUNNING
         _remove_identical(self.running if running else self.waiting, request)
         request.status = status
+        self.kv_cache_manager.cache_computed(request)
         self.kv_cache_manager.free(request.request_id)
         if self.proposer is not None:
             self.proposer.forget(request)

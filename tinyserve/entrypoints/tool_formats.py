@@ -174,9 +174,8 @@ class MarkedFormat:
 
     def written(self, calls) -> str:
         """Calls as the model writes them (for templates that render content only)."""
-        items = [{"name": c.function.name, self.args_key: T.loads(c.function.arguments)}
-                 for c in calls]  # fmt: skip
-        return self.marker + json.dumps(items if self.array else items[0], ensure_ascii=False)
+        items = [T.written_call(c, self.args_key) for c in calls]
+        return self.marker + (f"[{', '.join(items)}]" if self.array else items[0])
 
     def call_id(self, call_id: str) -> str:
         """The id the template is given: as sent, or (Mistral) 9 alphanumerics derived from

@@ -16,12 +16,11 @@ a grammar enforces (as llama.cpp's generic handler does for templates without to
 ``tool_choice``: ``none`` (tools ignored, no grammar), ``auto`` (either envelope),
 ``required`` (a call to any tool) or ``{"type": "function", "function": {"name"}}`` (a call
 to that one). The arguments of every call validate against its function's ``parameters``
-schema; ``parallel_tool_calls=false`` allows one call. Earlier assistant ``tool_calls`` and
-``tool`` results in the conversation are rendered in the same envelope, so the template
-needs no tool support. The output is parsed back into ``message.tool_calls`` (content
-null, finish_reason ``tool_calls``) or ``message.content``; a call's ``arguments`` is its
-JSON text exactly as generated, which is what its streamed fragments add up to
-(tool_stream.py).
+schema; ``parallel_tool_calls=false`` allows one call. Earlier calls (their ``arguments``
+as sent) and results are rendered in the same envelope: no tool support needed. The output
+is parsed into ``message.tool_calls`` (content null, finish_reason ``tool_calls``) or
+``message.content``; a call's ``arguments`` is its JSON text exactly as generated, what its
+streamed fragments add up to (tool_stream.py).
 """
 
 from __future__ import annotations
@@ -100,9 +99,7 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Too
     for t in tools:
         params = t.function.parameters
         if params is not None and params.get("type", "object") != "object":
-            raise ValueError(
-                f"tools: the parameters of {t.function.name!r} must be an object schema"
-            )
+            raise ValueError(f"tools: {t.function.name!r}'s parameters must be an object schema")
         for pattern in schema_patterns(params):  # checked here: Hermes embeds them in Lark
             check_regex(pattern, "tools")
         if (ref := dangling_ref(params, params)) is not None:  # checked here: inside the
@@ -246,11 +243,9 @@ def render_messages(conversation: list[dict], messages, tools, choice, tool_role
                      for c in m.tool_calls]  # fmt: skip
             turn = {"role": "assistant", "content": "\n".join([turn["content"], *calls]).strip()}
         elif m.role == "assistant" and getattr(m, "tool_calls", None):
-            calls = [{"name": c.function.name, "arguments": loads(c.function.arguments)}
-                     for c in m.tool_calls]  # fmt: skip
             # Text the assistant wrote beside its calls stays in the history, before them.
-            envelope = json.dumps({"tool_calls": calls})
-            text = "\n".join(filter(None, [turn["content"], envelope]))
+            calls = ", ".join(written_call(c) for c in m.tool_calls)
+            text = "\n".join(filter(None, [turn["content"], f'{{"tool_calls": [{calls}]}}']))
             turn = {"role": "assistant", "content": text}
         elif m.role == "tool":
             call_id = getattr(m, "tool_call_id", None) or "?"
@@ -268,6 +263,15 @@ def render_messages(conversation: list[dict], messages, tools, choice, tool_role
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def written_call(call, key: str = "arguments") -> str:
+    """A past call as the model writes it, its arguments as sent back: the text it generated
+    (cut by max_tokens too), so the next turn's prompt repeats its tokens and hits the prefix
+    cache (re-serialised, a cut call or non-ASCII text did not); what is no object is JSON."""
+    args = call.function.arguments
+    args = args if args.lstrip().startswith("{") else json.dumps(loads(args), ensure_ascii=False)
+    return f'{{"name": {json.dumps(call.function.name, ensure_ascii=False)}, "{key}": {args}}}'
 
 
 def loads(text: str) -> Any:

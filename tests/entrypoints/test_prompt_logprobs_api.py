@@ -73,6 +73,7 @@ def test_a_generated_tokens_logprob_is_its_score(client):
 @pytest.mark.parametrize(
     "extra",
     [{"echo": True, "max_tokens": 4},
+     {"echo": True, "max_tokens": 8, "prompt": "Crème brûlée in 東京 costs 🎉"},  # offsets carried
      # a stop string held back the text of tokens already sent: their streamed text_offset
      # counted the characters sent ([0, 0, 1, 0, 1, 4, 0, ...] for [0, 6, 7, 8, 9, 12, ...])
      {"max_tokens": 10, "stop": ["QQQQQQQQQQQQQQQQQQQQ"]}],
@@ -135,3 +136,32 @@ def test_bad_scoring_requests_are_400(client):
                     "max_tokens": 0})  # fmt: skip
     assert_error(r, 400, "max_tokens")
     assert httpx.get(str(client.base_url) + "/health").status_code == 200
+
+
+MULTIBYTE = "Crème brûlée in 東京 costs 🎉 ¥1200, naïve"
+
+
+def test_text_offsets_and_token_names_over_characters_split_into_tokens(client):
+    """Where a character's bytes span tokens, each token's ``text_offset`` is the character
+    its bytes start or continue (its U+FFFD text counted one character each: every later
+    offset ran ahead), and a part token is named ``bytes:\\xe6\\x9d`` as OpenAI names it (as
+    U+FFFD, different tokens were one key of a ``top_logprobs`` dict: vLLM's
+    ``prompt_logprobs``, keyed by id, counted more alternatives)."""
+    body = {"model": MODEL, "prompt": MULTIBYTE, "echo": True, "logprobs": 5,
+            "prompt_logprobs": 5, "max_tokens": 0}  # fmt: skip
+    choice = client.post(COMP, json=body).json()["choices"][0]
+    lp, text = choice["logprobs"], choice["text"]
+    assert text == MULTIBYTE and any(t.startswith("bytes:") for t in lp["tokens"])
+    chars = 0  # (the offsets, derived from the token ids' bytes independently)
+    raw = b""
+    for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert offset == chars
+        if token.startswith("bytes:"):
+            raw += bytes.fromhex(token[6:].replace("\\x", ""))
+        else:
+            assert text[offset : offset + len(token)] == token
+            raw += token.encode()
+        chars = len(raw.decode("utf-8", errors="ignore"))
+    assert raw.decode() == text
+    for top, by_id in zip(lp["top_logprobs"][1:], choice["prompt_logprobs"][1:], strict=True):
+        assert len(top) == len(by_id)

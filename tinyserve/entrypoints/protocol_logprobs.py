@@ -3,6 +3,7 @@ the legacy completions object (echoed prompt tokens first) and vLLM's ``prompt_l
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Callable
 from typing import Any
@@ -33,23 +34,49 @@ def chat_logprobs(
     }
 
 
+class TextOffsets:
+    """A choice's ``text_offset`` run: the character of its text where each token's text
+    starts, from the tokens' bytes. A token holding part of a character adds nothing until
+    one completes it (counting its U+FFFD text put every later offset one character ahead
+    per character split over tokens). Kept across a streamed choice's chunks."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, raw: bytes) -> int:
+        start = self.offset
+        self.offset += len(self._decoder.decode(raw))
+        return start
+
+
 def completion_logprobs(
     lps: list[TokenLogprob],
     token_str: Callable[[int], str],
-    offset: int,
+    token_bytes: Callable[[int], bytes],
+    offsets: TextOffsets,
     prompt_ids: list[int] | None = None,
     prompt_lps: list[TokenLogprob | None] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``offset`` is the text offset of the first
-    token. Echoed prompt tokens (``prompt_ids``) come first, with their logprobs from
-    ``prompt_lps`` (the first token's null, as OpenAI's). Each ``top_logprobs`` dict holds the
-    chosen token too where it is not among the top ones (OpenAI's and vLLM's up to N + 1)."""
-    out: dict[str, list] = {
-        "text_offset": [],
-        "token_logprobs": [],
-        "tokens": [],
-        "top_logprobs": [],
-    }
+    """The legacy completions ``logprobs`` object, its ``text_offset`` from ``offsets``.
+    Echoed prompt tokens (``prompt_ids``) come first, with their logprobs from ``prompt_lps``
+    (the first token's null, as OpenAI's). Each ``top_logprobs`` dict holds the chosen token
+    too where it is not among the top ones (OpenAI's and vLLM's up to N + 1). A token that is
+    part of a character is named as OpenAI names it, ``bytes:\\xe2\\x80`` (its U+FFFD text
+    made different tokens one key of a ``top_logprobs`` dict)."""
+
+    def name(token_id: int) -> str:
+        s = token_str(token_id)
+        if "\ufffd" not in s:
+            return s
+        raw = token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [],
+                            "top_logprobs": []}  # fmt: skip
     prompt_lps = prompt_lps or [None] * len(prompt_ids or [])
     entries = [
         (t, None, None) if lp is None else (t, lp.logprob, lp.top)
@@ -57,15 +84,14 @@ def completion_logprobs(
     ]
     entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps]
     for token_id, logprob, top in entries:
-        s = token_str(token_id)
-        out["text_offset"].append(offset)
+        s = name(token_id)
+        out["text_offset"].append(offsets.advance(token_bytes(token_id)))
         out["tokens"].append(s)
         out["token_logprobs"].append(logprob)
         if top is not None:  # OpenAI: the chosen token always, so up to logprobs + 1 entries
-            top = {token_str(t): v for t, v in top}
+            top = {name(t): v for t, v in top}
             top.setdefault(s, logprob)
         out["top_logprobs"].append(top)
-        offset += len(s)
     return out
 
 

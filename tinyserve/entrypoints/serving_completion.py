@@ -36,7 +36,7 @@ class CompletionJob(Job):
     prompt_logprobs: int | None = None  # vLLM's field, as the request named it
     input_size: int = 0
     echo_texts: list[str] = field(default_factory=list)  # per prompt ("" without echo)
-    offsets: dict[int, int] = field(default_factory=dict)  # streamed: the next text_offset
+    offsets: dict[int, L.TextOffsets] = field(default_factory=dict)  # streamed, per choice
 
 
 class CompletionServing(OpenAIServing):
@@ -96,7 +96,8 @@ class CompletionServing(OpenAIServing):
     ) -> dict[str, Any]:
         result_choices = []
         for i, c in enumerate(choices):
-            logprobs = self._logprobs(job, c.prompt_index, c.logprobs, c.prompt_logprobs, 0)
+            logprobs = self._logprobs(job, c.prompt_index, c.logprobs, c.prompt_logprobs,
+                                      L.TextOffsets())  # fmt: skip
             result_choices.append(
                 P.CompletionChoice(
                     index=i,
@@ -127,28 +128,28 @@ class CompletionServing(OpenAIServing):
             text = job.echo_texts[out.prompt_index] + text
         if not text and finish is None and not out.logprobs and not first:
             return []
-        offset = job.offsets.get(out.index, 0)
+        # The tokens' own text, as unstreamed: not the text sent, which a stop string or a
+        # part character holds back.
+        offsets = job.offsets.setdefault(out.index, L.TextOffsets())
         prompt_lps = out.prompt_logprobs if first else None
-        logprobs = self._logprobs(job, out.prompt_index, out.logprobs, prompt_lps, offset,
+        logprobs = self._logprobs(job, out.prompt_index, out.logprobs, prompt_lps, offsets,
                                   echoed=first)  # fmt: skip
-        if logprobs is not None and logprobs["tokens"]:  # the tokens' own text, as unstreamed:
-            offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])  # not the text
-        job.offsets[out.index] = offset  # sent, which a stop string or a part character holds
         choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                   "stop_reason": out.stop_reason if finish is not None else None}  # fmt: skip
         if first and job.params.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(job, prompt_lps)
         return [{**head, "choices": [choice]}]
 
-    def _logprobs(self, job: CompletionJob, prompt_index: int, lps, prompt_lps, offset: int,
-                  echoed: bool = True) -> dict[str, Any] | None:  # fmt: skip
+    def _logprobs(self, job: CompletionJob, prompt_index: int, lps, prompt_lps,
+                  offsets: L.TextOffsets, echoed: bool = True) -> dict[str, Any] | None:  # fmt: skip
         """The legacy ``logprobs`` object: the echoed prompt's tokens (with the first output)
         and then the generated ones."""
         if job.params.logprobs is None:
             return None
         echo_ids = job.prompts[prompt_index] if job.echo and echoed else None
         prompt_lps = _top(prompt_lps, job.params.logprobs) if echo_ids else None
-        return L.completion_logprobs(lps, self.token_str, offset, echo_ids, prompt_lps)
+        return L.completion_logprobs(lps, self.token_str, self.token_bytes, offsets, echo_ids,
+                                     prompt_lps)  # fmt: skip
 
     def _vllm_prompt_logprobs(self, job: CompletionJob, lps) -> P.PromptLogprobs | None:
         """vLLM's field, only when the request asked for it by name (``echo`` alone fills the

@@ -355,3 +355,21 @@ def test_a_lone_surrogate_in_a_tools_description_is_its_fields_400(client):
     r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
     err = assert_error(r, 400, "tools[0].function.description")
     assert "surrogate" in err["message"]
+
+
+@pytest.mark.parametrize("args, field", [('{"a": "x Y y"}', "arguments"), ('"x Y y"', "arguments"),
+                                         ("{}", "name")])  # fmt: skip
+def test_a_lone_surrogate_in_a_past_call_is_its_fields_400(client, args, field):
+    """A past call's arguments go into the prompt as sent: a lone surrogate there failed the
+    template (a 400 blamed on messages, "TextEncodeInput must be Union[...]")."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "x Y y" if field == "name" else "f", "arguments": args}}  # fmt: skip
+    body = {"model": MODEL, "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}  # fmt: skip
+    raw = json.dumps(body).replace("x Y y", "x \\ud83d y")
+    r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    err = assert_error(r, 400, f"messages[1].tool_calls[0].function.{field}")
+    assert "surrogate" in err["message"]

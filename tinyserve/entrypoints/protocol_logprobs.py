@@ -42,12 +42,25 @@ class TextOffsets:
 
     def __init__(self) -> None:
         self.offset = 0
+        self.lead = 0  # leading spaces of the next token's text that the text lacks
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def advance(self, raw: bytes) -> int:
-        start = self.offset
-        self.offset += len(self._decoder.decode(raw))
+        start, text = self.offset, self._decoder.decode(raw)
+        lead, self.lead = self.lead, 0
+        self.offset += len(text) - (lead if text[:lead].isspace() else 0)
         return start
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token's text alone: ``decode([id])``, with a SentencePiece piece's leading space
+    (``▁the``: Llama 2's, Phi 3's, Mistral v1's tokenizers drop a text's first space, so it
+    read "the", one ``top_logprobs`` key with the piece ``the``)."""
+    s = tokenizer.decode([token_id])
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece.startswith("\u2581") and not s.startswith(" "):
+        return " " + s
+    return s
 
 
 def completion_logprobs(
@@ -57,8 +70,10 @@ def completion_logprobs(
     offsets: TextOffsets,
     prompt_ids: list[int] | None = None,
     prompt_lps: list[TokenLogprob | None] | None = None,
+    echo_text: str = "",
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object, its ``text_offset`` from ``offsets``.
+    """The legacy completions ``logprobs`` object, its ``text_offset`` from ``offsets``
+    (``echo_text``: the prompt's text, where SentencePiece's first ``▁the`` is "the").
     Echoed prompt tokens (``prompt_ids``) come first, with their logprobs from ``prompt_lps``
     (the first token's null, as OpenAI's). Each ``top_logprobs`` dict holds the chosen token
     too where it is not among the top ones (OpenAI's and vLLM's up to N + 1). A token that is
@@ -83,6 +98,8 @@ def completion_logprobs(
         for t, lp in zip(prompt_ids or [], prompt_lps, strict=True)
     ]
     entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps]
+    if prompt_ids and not echo_text[:1].isspace():
+        offsets.lead = 1  # (no space there: a first token's space is not in the text)
     for token_id, logprob, top in entries:
         s = name(token_id)
         out["text_offset"].append(offsets.advance(token_bytes(token_id)))

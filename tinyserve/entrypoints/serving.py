@@ -340,7 +340,7 @@ class OpenAIServing:
         s = self._token_str_cache.get(token_id)
         if s is None:
             tok = self.engine.tokenizer
-            s = tok.decode([token_id]) if tok is not None else str(token_id)
+            s = L.token_text(tok, token_id) if tok is not None else str(token_id)
             if len(self._token_str_cache) < 200_000:
                 self._token_str_cache[token_id] = s
         return s

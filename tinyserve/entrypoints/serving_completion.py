@@ -149,7 +149,7 @@ class CompletionServing(OpenAIServing):
         echo_ids = job.prompts[prompt_index] if job.echo and echoed else None
         prompt_lps = _top(prompt_lps, job.params.logprobs) if echo_ids else None
         return L.completion_logprobs(lps, self.token_str, self.token_bytes, offsets, echo_ids,
-                                     prompt_lps)  # fmt: skip
+                                     prompt_lps, job.echo_texts[prompt_index])  # fmt: skip
 
     def _vllm_prompt_logprobs(self, job: CompletionJob, lps) -> P.PromptLogprobs | None:
         """vLLM's field, only when the request asked for it by name (``echo`` alone fills the

@@ -71,12 +71,12 @@ class NamedToolChoice(_Wire):
     function: _FunctionName
 
 
-class FunctionCall(_Wire):
+class FunctionCall(_Request):  # (a lone surrogate in a past call: the field's 400)
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Wire):
+class ToolCall(_Request):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -266,9 +266,9 @@ def render_messages(conversation: list[dict], messages, tools, choice, tool_role
 
 
 def written_call(call, key: str = "arguments") -> str:
-    """A past call as the model writes it, its arguments as sent back: the text it generated
-    (cut by max_tokens too), so the next turn's prompt repeats its tokens and hits the prefix
-    cache (re-serialised, a cut call or non-ASCII text did not); what is no object is JSON."""
+    """A past call as the model writes it, arguments starting with "{" as sent back, JSON or
+    not (the generated text, cut by max_tokens too: the next prompt repeats its tokens and hits
+    the prefix cache, which re-serialising missed), other arguments as JSON."""
     args = call.function.arguments
     args = args if args.lstrip().startswith("{") else json.dumps(loads(args), ensure_ascii=False)
     return f'{{"name": {json.dumps(call.function.name, ensure_ascii=False)}, "{key}": {args}}}'

@@ -57,7 +57,8 @@ class KVCacheManager:
                  sliding_window: int | None = None, share: KVCacheManager | None = None,
                  group: int = 0):  # fmt: skip
         window = 1 if sliding_window is None else sliding_window
-        for name, n in (("num_blocks", num_blocks), ("block_size", block_size), ("sliding_window", window)):  # fmt: skip
+        for name, n in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("sliding_window", window)):  # fmt: skip
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
         self.sliding_window = sliding_window  # its layers' (None: some layer sees all)

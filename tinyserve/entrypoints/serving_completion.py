@@ -141,7 +141,7 @@ class CompletionServing(OpenAIServing):
         return [{**head, "choices": [choice]}]
 
     def _logprobs(self, job: CompletionJob, prompt_index: int, lps, prompt_lps,
-                  offsets: L.TextOffsets, echoed: bool = True) -> dict[str, Any] | None:  # fmt: skip
+                  offsets: L.TextOffsets, echoed: bool = True) -> dict | None:  # fmt: skip
         """The legacy ``logprobs`` object: the echoed prompt's tokens (with the first output)
         and then the generated ones."""
         if job.params.logprobs is None:

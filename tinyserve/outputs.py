@@ -167,8 +167,8 @@ class StepOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
-    # Where in text_delta stop strings begin to count: from the min_tokens-th output token
-    # on, token by token (the detokenizer's rule; for the tool parser's stop strings,
+    # Where in text_delta stop strings begin to count: past the first min_tokens output
+    # tokens, token by token (the detokenizer's rule; for the tool parser's stop strings,
     # tool_stream.StopAtText): 0 all of it, None none of it.
     armed_from: int | None = 0
     # A step of several tokens (a verified draft run): where in text_delta each token's text

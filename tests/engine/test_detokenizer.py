@@ -255,3 +255,18 @@ def test_stop_strings_wait_for_min_tokens(smollm2_tokenizer, prompt_ids):
     assert stop == "stop" and det.output_text == ""
     det, _, stop = run(tok, prompt_ids, out, SamplingParams(stop=["stop"], min_tokens=len(out)))
     assert stop is None and det.output_text == tok.decode(out)
+
+
+def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_count(
+    smollm2_tokenizer, prompt_ids
+):
+    """As EOS and stop ids (masked for the first min_tokens tokens) and vLLM's check
+    (len(output) > min_tokens): the k-th token completing a stop string ends the request
+    only with min_tokens < k (min_tokens 1 and a first token "1" with stop "1" gave "")."""
+    tok = smollm2_tokenizer
+    out = tok.encode("1. 1\n2")
+    k = next(i for i in range(1, len(out) + 1) if "1" in tok.decode(out[:i]))  # (1)
+    det, _, stop = run(tok, prompt_ids, out, SamplingParams(stop=["1"], min_tokens=k - 1))
+    assert stop == "1" and det.output_text == ""
+    det, _, stop = run(tok, prompt_ids, out, SamplingParams(stop=["1"], min_tokens=k))
+    assert stop == "1" and det.output_text == tok.decode(out[:k]) + ". "

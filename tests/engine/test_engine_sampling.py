@@ -161,6 +161,29 @@ def test_a_stop_token_ends_the_text_before_it_unless_included(smol_engine):
         assert c.text == _decode(tok, ids[:shown]), rid
 
 
+@pytest.mark.slow
+def test_eos_ends_the_text_before_it_with_special_tokens_shown(smol_engine):
+    """EOS is a stop token too: with ``skip_special_tokens`` false its "<|im_end|>" was the
+    answer's last text (vLLM drops it, as a stop id's, unless include_stop_str_in_output)."""
+    tok = smol_engine.tokenizer
+    [prompt] = text_prompts(tok, [20], seed=5)
+    # EOS right after min_tokens' 3 tokens
+    ends = {"logit_bias": {smol_engine.eos_token_ids[0]: 100.0}, "min_tokens": 3,
+            "ignore_eos": False}  # fmt: skip
+    got = run_batch(smol_engine, [
+        ("shown", prompt, greedy(9, skip_special_tokens=False, **ends)),
+        ("incl", prompt, greedy(9, skip_special_tokens=False, include_stop_str_in_output=True,
+                                **ends)),
+        ("skip", prompt, greedy(9, **ends))])  # fmt: skip
+    ids = got["skip"].token_ids
+    assert len(ids) == 4 and ids[-1] in smol_engine.eos_token_ids
+    for rid, shown in (("shown", ids[:-1]), ("incl", ids), ("skip", ids)):
+        c = got[rid]
+        assert c.token_ids == ids and (c.finish_reason, c.stop_reason) == ("stop", None)
+        assert c.text == tok.decode(shown, skip_special_tokens=rid == "skip"), rid
+    assert got["incl"].text.endswith(tok.decode(ids[-1:])) and got["shown"].text == got["skip"].text
+
+
 # ---------------------------------------------------------------- UTF-8
 
 

@@ -326,8 +326,8 @@ def test_a_streamed_response_with_tools_ends_at_a_stop_of_its_text(fake_server):
 
 
 def test_text_before_min_tokens_is_not_stopped():
-    """StopAtText fed with ``armed`` false (StepOutput.stops_armed: before the min_tokens-th
-    output token) passes the text unmatched and unheld; armed, it stops as before."""
+    """StopAtText fed with ``armed`` false (StepOutput.armed_from: the first min_tokens output
+    tokens) passes the text unmatched and unheld; armed, it stops as before."""
     for stream, text in (
         (EnvelopeStream, '{"content": "2 + 2 = 4."}'),
         (HermesStream, "2 + 2 = 4."),
@@ -344,15 +344,15 @@ def test_text_before_min_tokens_is_not_stopped():
 
 def test_min_tokens_holds_back_the_stop_strings_of_an_answer_with_tools(fake_server):
     """Served, with tools (stop strings match the text: StopAtText), a stop string counts
-    only from the min_tokens-th output token on, as without tools: chat and the Responses
+    only past the first min_tokens output tokens, as without tools: chat and the Responses
     API, streamed and not (Anthropic's Messages API has no min_tokens)."""
     import httpx
 
     script = ['{"content": "', "2 + 2", " = 4", '."}']  # a token each
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     msgs = [{"role": "user", "content": "hi"}]
-    # stop "2" meets the text in the 2nd token: with min_tokens 3 it does not count there
-    cases = [(["2"], 0, ""), (["2"], 2, ""), (["2"], 3, "2 + 2 = 4."), (["4"], 3, "2 + 2 = ")]
+    # stop "2" meets the text in the 2nd token: with min_tokens 2 it does not count there
+    cases = [(["2"], 0, ""), (["2"], 1, ""), (["2"], 2, "2 + 2 = 4."), (["4"], 2, "2 + 2 = ")]
     with (
         fake_server(script=script) as s,
         httpx.Client(base_url=s.base_url, timeout=30) as c,
@@ -394,8 +394,8 @@ def test_content_an_unarmed_feed_left_held_is_not_stopped_later():
 
 def test_a_speculative_run_crossing_min_tokens_is_armed_from_its_token():
     """A step of several tokens (a verified draft run) that crosses min_tokens: stop strings
-    count from the min_tokens-th token's text on (StepOutput.armed_from), as the
-    detokenizer counts them without tools."""
+    count from the text of the first token past min_tokens on (StepOutput.armed_from), as
+    the detokenizer counts them without tools (and vLLM: len(output) > min_tokens)."""
     from tinyserve.engine.output_processor import OutputProcessor
     from tinyserve.outputs import ModelRunnerOutput
     from tinyserve.sampling_params import SamplingParams
@@ -419,7 +419,7 @@ def test_a_speculative_run_crossing_min_tokens_is_armed_from_its_token():
 
     plain = "".join(o.text_delta for o in run(["X", "c"]))  # the detokenizer's own stops
     outs = run([])  # with tools the stops leave the engine's params (serving.Job)
-    assert [o.armed_from for o in outs] == [None, 1]  # "X" before the 3rd token ("b")
+    assert [o.armed_from for o in outs] == [None, 2]  # "Xb": the 2nd and 3rd tokens
     for stops in (["X"], ["c"]):
         parser = StopAtText(HermesStream(), stops)
         events = [e for o in outs for e in feed(parser, o.text_delta, unarmed_chars(o))]

@@ -166,7 +166,9 @@ def run_alone(engine: LLMEngine, requests) -> Collector:
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    return SamplingParams(
+        **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **kw}
+    )
 
 
 def kv_request(rid: str, tokens) -> Request:

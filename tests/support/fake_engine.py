@@ -25,7 +25,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     fail: bool = False
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the raw text
-    min_tokens: int = 0  # stop strings count from this many output tokens on
+    min_tokens: int = 0  # stop strings count past this many output tokens
     text: str = ""
 
 
@@ -144,7 +144,7 @@ class FakeEngine:
             done = len(s.tokens) >= s.max_tokens
             ended = self.script is not None and len(s.tokens) >= len(self.script)
             piece = self.script[k] if self.script is not None else f"t{k} "
-            armed = len(s.tokens) >= s.min_tokens
+            armed = len(s.tokens) > s.min_tokens
             stops = s.stop if armed else []
             hits = sorted((i, stop) for stop in stops if (i := (s.text + piece).find(stop)) >= 0)
             if hits:

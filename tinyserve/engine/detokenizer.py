@@ -39,8 +39,9 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
-        # Stop strings count only from the min_tokens-th output token on (as EOS and stop ids
-        # in the scheduler, and vLLM's stop checker); text before that is never held back.
+        # Stop strings count only in the text of output tokens past the first min_tokens (as
+        # EOS and stop ids, masked until then, and vLLM's stop checker: len(output) >
+        # min_tokens); text before that is never held back.
         self.min_tokens = params.min_tokens
         self.num_output_tokens = 0
         # Characters held back while running: a stop string may start in them.
@@ -83,7 +84,7 @@ class IncrementalDetokenizer:
         self._window_ids.extend(new_token_ids)
         self.num_output_tokens += len(new_token_ids)
         text = self._pending_text + self._decode_new_text(flush=finished)
-        if self.num_output_tokens < self.min_tokens:
+        if self.num_output_tokens <= self.min_tokens:
             self._pending_text = ""
             return self._emit(text), None
 

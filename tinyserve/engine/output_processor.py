@@ -176,14 +176,15 @@ class OutputProcessor:
         num_output = req.num_output_tokens
         detok = parent.detokenizers.get(rid)
         if detok is not None:
-            # A stop token (stop_token_ids) ends the text before it unless
+            # A stop token (stop_token_ids, or EOS: its "<|im_end|>" showed with
+            # skip_special_tokens false) ends the text before it unless
             # include_stop_str_in_output, as a stop string does (vLLM's detokenizer too); its
             # id stays in the output's tokens.
             shown = new_ids
-            if (new_ids and isinstance(stop_reason, int) and new_ids[-1] == stop_reason
+            if (new_ids and _stopped_by_token(req, new_ids[-1])
                     and not req.sampling_params.include_stop_str_in_output):  # fmt: skip
                 shown = new_ids[:-1]
-            first = req.sampling_params.min_tokens - (num_output - len(new_ids)) - 1
+            first = req.sampling_params.min_tokens - (num_output - len(new_ids))
             text_delta, stop_str, used, ends, armed_from = _detokenize_armed(
                 detok, shown, req.is_finished, first
             )
@@ -275,11 +276,20 @@ class OutputProcessor:
             out.usage = parent.usage
 
 
+def _stopped_by_token(req: Request, token_id: int) -> bool:
+    """The request ended on ``token_id``: a stop id, or EOS (check_stop's order)."""
+    if req.status != RequestStatus.FINISHED_STOPPED:
+        return False
+    if isinstance(req.stop_reason, int):
+        return token_id == req.stop_reason
+    return not req.sampling_params.ignore_eos and token_id in req.eos_token_ids
+
+
 def _detokenize_armed(detok, token_ids: list[int], finished: bool, first: int):
     """_detokenize, and where in the delta stop strings begin to count (StepOutput.armed_from)
-    where ``first`` is the index of the step's min_tokens-th output token: a step of several
-    tokens (speculative decoding) may cross it, and is decoded in two parts there (the first
-    cannot meet a stop string: the detokenizer's own count from min_tokens on too)."""
+    where ``first`` is the index of the step's first output token past min_tokens: a step of
+    several tokens (speculative decoding) may cross it, and is decoded in two parts there (the
+    first cannot meet a stop string: the detokenizer's own count too)."""
     if first <= 0:
         return *_detokenize(detok, token_ids, finished), 0
     if first >= len(token_ids):

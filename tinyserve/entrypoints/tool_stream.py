@@ -275,7 +275,7 @@ class StopAtText:
     begin in it, cut where one ends it (kept with ``include``), then the choice finishes
     (``stop``; ``stop_reason`` the string); a call's deltas pass as they are. The request
     is then aborted (Job.answered for a stream, ``AllStopped`` for a whole answer). Text fed
-    with ``armed`` false (before the min_tokens-th output token: StepOutput.armed_from)
+    with ``armed`` false (the first min_tokens output tokens': StepOutput.armed_from)
     passes unmatched and unheld, as the detokenizer treats it without tools — also the
     content the inner parser held back from it and gives later (its ``held()``: an upper
     bound, so a stop string just past min_tokens may go unseen, never one before it)."""

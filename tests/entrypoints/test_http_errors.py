@@ -33,7 +33,11 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSGS, "n": 0}, "n"),
     (CHAT, {"messages": MSGS, "n": 1000}, "n"),
     (CHAT, {"messages": MSGS, "max_tokens": 0}, "max_tokens"),
-    (CHAT, {"messages": MSGS, "max_completion_tokens": -5}, "max_tokens"),
+    # the field the request sent (the SDK sends max_completion_tokens): max_tokens before
+    (CHAT, {"messages": MSGS, "max_completion_tokens": -5}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 9000}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "max_tokens": 9000}, "max_tokens"),
     (CHAT, {"messages": MSGS, "presence_penalty": 5}, "presence_penalty"),
     (CHAT, {"messages": MSGS, "repetition_penalty": 0}, "repetition_penalty"),
     (CHAT, {"messages": MSGS, "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -160,14 +164,23 @@ def test_tokenize_detokenize_roundtrip(client, server):
     with_tools = client.post("/tokenize", json={"messages": MSGS, "tools": tools}).json()
     done = client.post(CHAT, json={"messages": MSGS, "tools": tools, "max_tokens": 1}).json()
     assert with_tools["count"] == done["usage"]["prompt_tokens"] > chat["count"]
+    # tool_choice renders the prompt too ("You must call a function.", or no tools): ignored
+    # by /tokenize before, 100 tokens for chat's 93 (required) and 31 (none)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", "none", named):
+        asked = {"messages": MSGS, "tools": tools, "tool_choice": choice}
+        counted = client.post("/tokenize", json=asked).json()["count"]
+        done = client.post(CHAT, json={**asked, "max_tokens": 1}).json()
+        assert counted == done["usage"]["prompt_tokens"], choice
     strs = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
     want = server.engine.tokenizer.convert_ids_to_tokens(body["tokens"])
     assert strs.json()["token_strs"] == want and body["token_strs"] is None
     for bad in (
         {"prompt": "hi", "tools": tools},
+        {"prompt": "hi", "tool_choice": "required"},
         {"messages": MSGS, "continue_final_message": True},
     ):
-        name = "tools" if "tools" in bad else "continue_final_message"
+        name = next(n for n in ("tools", "tool_choice", "continue_final_message") if n in bad)
         assert_error(client.post("/tokenize", json=bad), 400, name)
 
 

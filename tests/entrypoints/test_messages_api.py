@@ -352,3 +352,37 @@ def test_a_stop_sequence_matches_text_never_a_calls_json(claude):
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("tool_use", None)
     assert final.content[0].input == call.input
+
+
+def test_a_tool_use_cut_by_max_tokens_has_the_same_input_streamed_and_not(claude):
+    """A call cut by max_tokens: its whole part as input (the SDK reads the streamed
+    input_json_delta in jiter's partial mode); not streamed it was ``{}``."""
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Get weather",
+            "input_schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+        {
+            "name": "search",
+            "description": "Search web",
+            "input_schema": {
+                "type": "object",
+                "properties": {"q": {"type": "string"}},
+                "required": ["q"],
+            },
+        },
+    ]
+    ask = "What's the weather in Paris and search for hotels?"
+    kw = dict(model=MODEL, max_tokens=21, tools=tools, tool_choice={"type": "any"},
+              messages=[{"role": "user", "content": ask}], extra_body={"temperature": 0})  # fmt: skip
+    whole = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert whole.stop_reason == final.stop_reason == "max_tokens"
+    uses = [[(b.name, b.input) for b in m.content if b.type == "tool_use"] for m in (whole, final)]
+    assert uses[0] == uses[1] and uses[0] and any(inp for _, inp in uses[0])

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from tinyserve.entrypoints.protocol_base import _Request, _Response
-from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall
+from tinyserve.entrypoints.tools import FunctionCall, NamedToolChoice, Tool, ToolCall
 
 # -- errors ------------------------------------------------------------------------------------
 
@@ -197,11 +197,25 @@ class Prediction(_Request):  # OpenAI's Predicted Outputs (entrypoints/predictio
     content: str | list[TextContentPart]
 
 
+class _PastCall(_Request, FunctionCall):
+    """A past call as a request sends it: its strings checked (a lone surrogate is the field's
+    400; the call goes into the prompt as sent, tools.written_call)."""
+
+
+class PastToolCall(_Request, ToolCall):
+    function: _PastCall
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_call(cls, data: Any) -> Any:  # a call made here (tools.ToolCall), checked too
+        return data.model_dump() if isinstance(data, ToolCall) else data
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_calls: list[PastToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     reasoning_content: str | None = None  # an assistant turn's thinking (the template's call)
 

@@ -18,9 +18,16 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from tinyserve.entrypoints.protocol import ChatMessage, OpenAIError, _Request, bad_request
+from tinyserve.entrypoints.protocol import (
+    ChatMessage,
+    OpenAIError,
+    PastToolCall,
+    _Request,
+    bad_request,
+)
 from tinyserve.entrypoints.protocol_base import error_messages
 from tinyserve.entrypoints.tools import NamedToolChoice, Tool, ToolCall, ToolChoice
 
@@ -224,7 +231,7 @@ def _turn(m: Message, i: int) -> list[ChatMessage]:
             continue
         elif isinstance(b, ToolUseBlock) and m.role == "assistant":
             calls.append(
-                ToolCall.model_validate(
+                PastToolCall.model_validate(
                     {
                         "id": b.id,
                         "function": {
@@ -269,11 +276,22 @@ def content_blocks(content: str | None, calls: list[ToolCall]) -> list[dict[str,
     for c in calls:
         try:
             args = json.loads(c.function.arguments or "{}")
-        except ValueError:  # a call cut by max_tokens: its arguments so far, not JSON yet
-            args = {}
+        except ValueError:  # a call cut by max_tokens: what of its arguments is whole, as the
+            args = _partial(c.function.arguments)  # SDK reads the streamed input_json_delta
         blocks.append({"type": "tool_use", "id": tool_use_id(c.id), "name": c.function.name,
                        "input": args})  # fmt: skip
     return blocks
+
+
+def _partial(text: str) -> dict[str, Any]:
+    """JSON cut short, read as the anthropic SDK reads a stream's input_json_delta (jiter's
+    partial mode, which pydantic_core's from_json shares): a value not yet whole is left
+    out. Was ``{}``, so a cut call's input differed streamed and not."""
+    try:
+        value = pydantic_core.from_json(text, allow_partial=True)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def stop_reason(finish: str | None, stop: int | str | None, called: bool) -> tuple[str, str | None]:

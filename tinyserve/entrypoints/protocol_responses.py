@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tinyserve.entrypoints.protocol import (
     ChatMessage,
+    PastToolCall,
     TextContentPart,
     _range,
     _Request,
@@ -26,7 +27,7 @@ from tinyserve.entrypoints.protocol import (
     bad_request,
 )
 from tinyserve.entrypoints.protocol_base import error_messages
-from tinyserve.entrypoints.tools import FunctionCall, NamedToolChoice, Tool, ToolCall
+from tinyserve.entrypoints.tools import NamedToolChoice, Tool
 
 # -- the request --------------------------------------------------------------------------------
 
@@ -172,8 +173,8 @@ def chat_messages(input: str | list[dict[str, Any]], instructions: str | None) -
             messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, _FunctionCallItem):
             calls.add(item.call_id)
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
-                            arguments=item.arguments))  # fmt: skip
+            call = PastToolCall.model_validate({"id": item.call_id, "function": {
+                "name": item.name, "arguments": item.arguments}})  # fmt: skip
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # one turn, several calls
                 last.tool_calls = [*(last.tool_calls or []), call]

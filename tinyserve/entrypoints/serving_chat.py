@@ -5,6 +5,7 @@ chunks, in which content and tool-call deltas stream as generated (tool_stream.p
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from tinyserve.engine.client import OutputStream
 from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_logprobs as L
 from tinyserve.entrypoints import reasoning as R
-from tinyserve.entrypoints.protocol import bad_request
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.serving import (
     Job,
     OpenAIServing,
@@ -54,9 +55,15 @@ class ChatJob(Job):
 class ChatServing(OpenAIServing):
     async def create(self, req: P.ChatCompletionRequest, raw: Request) -> Response:
         """validate -> params -> prompt (``prepare``) -> submit -> stream or collect."""
-        self.check_request(req)
-        job = await self.prepare(req)
-        stream = await self.submit(job, req)
+        try:
+            self.check_request(req)
+            job = await self.prepare(req)
+            stream = await self.submit(job, req)
+        except OpenAIError as e:  # a 400 naming max_tokens names the field sent instead
+            if e.param == "max_tokens" and req.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+                e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
+            raise
         if job.stream:
             return self.sse(self.chunks(job, stream))
         return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))

@@ -71,12 +71,12 @@ class NamedToolChoice(_Wire):
     function: _FunctionName
 
 
-class FunctionCall(_Request):  # (a lone surrogate in a past call: the field's 400)
+class FunctionCall(_Wire):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Request):
+class ToolCall(_Wire):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall

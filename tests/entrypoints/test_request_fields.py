@@ -148,5 +148,14 @@ def test_guided_aliases_constrain_the_output(client, guided, check):
 def test_guided_and_structured_outputs_together_is_a_400(client):
     body = {"model": MODEL, "prompt": "x", "guided_choice": ["a"],
             "structured_outputs": {"choice": ["b"]}}  # fmt: skip
-    err = assert_error(client.post("/v1/completions", json=body), 400)
-    assert "guided_" in err["message"] and "structured_outputs" in err["message"]
+    err = assert_error(client.post("/v1/completions", json=body), 400, "guided_choice")
+    assert "structured_outputs" in err["message"] and "Value error" not in err["message"]
+    # Two aliases: named by the first sent (was structured_outputs, which was not sent)
+    two = {"model": MODEL, "messages": MSGS, "guided_json": {"type": "object"},
+           "guided_regex": "a+"}  # fmt: skip
+    err = assert_error(client.post("/v1/chat/completions", json=two), 400, "guided_json")
+    assert "guided_regex" in err["message"]
+    # An option beside its constraint is no second constraint
+    one = {"model": MODEL, "messages": MSGS, "max_tokens": 3, "guided_regex": "a+",
+           "guided_whitespace_pattern": " "}  # fmt: skip
+    assert client.post("/v1/chat/completions", json=one).status_code == 200

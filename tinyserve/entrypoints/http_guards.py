@@ -165,6 +165,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             ctx = err.get("ctx") or {}
             return f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
     found = error_messages(exc.errors(), skip=("body",))
+    # A whole-body check's ValueError ("Value error, guided_json: ..."): its own words, so
+    # bad_request reads the field from them.
+    found = [(w, m if w else m.removeprefix("Value error, ")) for w, m in found]
     parts = [f"{where}: {msg}" if where else msg for where, msg in found]
     param = next((where for where, _ in found if where), None)
     return "; ".join(parts) or "invalid request", param

@@ -66,7 +66,8 @@ _PARAM_NAMES = {
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "min_tokens", "tokens",
     "prompt_logprobs", "cache_salt", "response_format", "structured_outputs", "tools",
-    "tool_choice", "text.format", "prediction",
+    "tool_choice", "text.format", "prediction", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_whitespace_pattern", "json_schema", "grammar",
 }  # fmt: skip
 
 
@@ -139,11 +140,16 @@ class _SamplingFields(_Request):
     def _guided_aliases(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not any(k in data for k in GUIDED):
             return data
-        data, sent = dict(data), ", ".join(k for k in GUIDED if data.get(k) is not None)
+        data, sent = dict(data), [k for k in GUIDED if data.get(k) is not None]
         guided = {GUIDED[k]: data.pop(k) for k in list(data) if k in GUIDED}
         guided = {k: v for k, v in guided.items() if v is not None}
+        kinds = [k for k in guided if k != "whitespace_pattern"]  # (an option, not a kind)
         if guided and data.get("structured_outputs") is not None:
-            raise ValueError(f"{sent}: aliases of structured_outputs; send one of them")
+            raise ValueError(f"{sent[0]}: an alias of structured_outputs, which the request "
+                             "sends too; send one of them")  # fmt: skip
+        if len(kinds) > 1:  # (was named structured_outputs, which the client did not send)
+            raise ValueError(f"{sent[0]}: {', '.join(sent)} are aliases of structured_outputs, "
+                             "each a constraint; send one")  # fmt: skip
         if guided:
             data["structured_outputs"] = guided
         return data

@@ -165,3 +165,18 @@ def test_text_offsets_and_token_names_over_characters_split_into_tokens(client):
     assert raw.decode() == text
     for top, by_id in zip(lp["top_logprobs"][1:], choice["prompt_logprobs"][1:], strict=True):
         assert len(top) == len(by_id)
+
+
+def test_skipped_special_tokens_take_no_text_offset(client, smollm2_tokenizer):
+    """Special tokens inside the answer (ignore_eos) are left out of its text, so they move
+    no offset (each moved the next by len("<|im_end|>")); shown, they do."""
+    eos = smollm2_tokenizer.eos_token_id
+    body = {"model": MODEL, "prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 3,
+            "ignore_eos": True, "logit_bias": {str(eos): 100}}  # fmt: skip
+    choice = client.post(COMP, json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == TEXT and lp["tokens"][-3:] == [smollm2_tokenizer.eos_token] * 3
+    assert lp["text_offset"][-3:] == [len(TEXT)] * 3
+    shown = client.post(COMP, json={**body, "skip_special_tokens": False}).json()["choices"][0]
+    step = len(smollm2_tokenizer.eos_token)
+    assert shown["logprobs"]["text_offset"][-3:] == [len(TEXT) + i * step for i in range(3)]

@@ -71,9 +71,11 @@ def completion_logprobs(
     prompt_ids: list[int] | None = None,
     prompt_lps: list[TokenLogprob | None] | None = None,
     echo_text: str = "",
+    unshown: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object, its ``text_offset`` from ``offsets``
-    (``echo_text``: the prompt's text, where SentencePiece's first ``▁the`` is "the").
+    (``echo_text``: the prompt's text, where SentencePiece's first ``▁the`` is "the";
+    ``unshown``: generated tokens the text leaves out, special ones it skips).
     Echoed prompt tokens (``prompt_ids``) come first, with their logprobs from ``prompt_lps``
     (the first token's null, as OpenAI's). Each ``top_logprobs`` dict holds the chosen token
     too where it is not among the top ones (OpenAI's and vLLM's up to N + 1). A token that is
@@ -94,15 +96,15 @@ def completion_logprobs(
                             "top_logprobs": []}  # fmt: skip
     prompt_lps = prompt_lps or [None] * len(prompt_ids or [])
     entries = [
-        (t, None, None) if lp is None else (t, lp.logprob, lp.top)
+        (t, None, None, True) if lp is None else (t, lp.logprob, lp.top, True)
         for t, lp in zip(prompt_ids or [], prompt_lps, strict=True)
     ]
-    entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps]
+    entries += [(lp.token_id, lp.logprob, lp.top, lp.token_id not in unshown) for lp in lps]
     if prompt_ids and not echo_text[:1].isspace():
         offsets.lead = 1  # (no space there: a first token's space is not in the text)
-    for token_id, logprob, top in entries:
+    for token_id, logprob, top, shown in entries:
         s = name(token_id)
-        out["text_offset"].append(offsets.advance(token_bytes(token_id)))
+        out["text_offset"].append(offsets.advance(token_bytes(token_id) if shown else b""))
         out["tokens"].append(s)
         out["token_logprobs"].append(logprob)
         if top is not None:  # OpenAI: the chosen token always, so up to logprobs + 1 entries

@@ -6,6 +6,7 @@ the shared steps it calls are serving.py's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -148,8 +149,17 @@ class CompletionServing(OpenAIServing):
             return None
         echo_ids = job.prompts[prompt_index] if job.echo and echoed else None
         prompt_lps = _top(prompt_lps, job.params.logprobs) if echo_ids else None
+        skipped = self._special_ids if job.params.skip_special_tokens else frozenset()
         return L.completion_logprobs(lps, self.token_str, self.token_bytes, offsets, echo_ids,
-                                     prompt_lps, job.echo_texts[prompt_index])  # fmt: skip
+                                     prompt_lps, job.echo_texts[prompt_index], skipped)  # fmt: skip
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """What a decode with skip_special_tokens leaves out: every added token marked special
+        (SmolLM2's 17, not only the 3 of ``all_special_ids``)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(self.tokenizer.all_special_ids) | frozenset(
+            i for i, t in added.items() if getattr(t, "special", False))  # fmt: skip
 
     def _vllm_prompt_logprobs(self, job: CompletionJob, lps) -> P.PromptLogprobs | None:
         """vLLM's field, only when the request asked for it by name (``echo`` alone fills the

@@ -38,6 +38,16 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 9000}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "max_tokens": 9000}, "max_tokens"),
+    # too long for the context: chat has no prompt field (named prompt before)
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hello " * 9000}], "max_tokens": 5},
+        "messages",
+    ),
+    # the Responses API in its own words: its prompt field is its own (named input before),
+    # and max_tokens inside min_tokens' message is max_output_tokens
+    ("/v1/responses", {"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ("/v1/responses", {"input": "hello " * 9000}, "input"),
     (CHAT, {"messages": MSGS, "presence_penalty": 5}, "presence_penalty"),
     (CHAT, {"messages": MSGS, "repetition_penalty": 0}, "repetition_penalty"),
     (CHAT, {"messages": MSGS, "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -386,3 +396,17 @@ def test_a_lone_surrogate_in_a_past_call_is_its_fields_400(client, args, field):
     r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
     err = assert_error(r, 400, f"messages[1].tool_calls[0].function.{field}")
     assert "surrogate" in err["message"]
+
+
+def test_errors_speak_the_apis_words(client):
+    """min_tokens' message names max_output_tokens on the Responses API and
+    max_completion_tokens where chat sent it (max_tokens before: neither request's field)."""
+    r = client.post("/v1/responses", json={"input": "hi", "min_tokens": 50,
+                                           "max_output_tokens": 10})  # fmt: skip
+    err = assert_error(r, 400, "min_tokens")
+    assert "max_output_tokens (10)" in err["message"] and "max_tokens" not in err["message"]
+    r = client.post(CHAT, json={"messages": MSGS, "min_tokens": 50, "max_completion_tokens": 10})
+    assert "max_completion_tokens (10)" in assert_error(r, 400, "min_tokens")["message"]
+    long = [{"role": "user", "content": "hello " * 9000}]
+    r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": long})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: ")

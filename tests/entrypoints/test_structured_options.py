@@ -124,6 +124,23 @@ def test_served_answers_follow_the_options(client):
             assert not re.search(r"\s", gaps), text
 
 
+def test_options_at_their_defaults_beside_a_response_format(client):
+    """A client that writes every field sends the options at their defaults: that was a 400
+    ("give exactly one of json, ...", no mode); it is the response format alone. An empty
+    structured_outputs is still a 400 (no constraint and no option)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "JSON."}],
+            "max_tokens": 40, "temperature": 0, "response_format": fmt}  # fmt: skip
+    alone = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    for options in ({"disable_any_whitespace": False}, {"disable_additional_properties": False},
+                    {"whitespace_pattern": None, "disable_fallback": False}):  # fmt: skip
+        r = client.post("/v1/chat/completions", json={**body, "structured_outputs": options})
+        assert r.status_code == 200, (options, r.text)
+        assert r.json()["choices"][0]["message"] == alone["message"], options
+    r = client.post("/v1/chat/completions", json={**body, "structured_outputs": {}})
+    assert r.status_code == 400
+
+
 def test_llama_cpps_json_object_with_a_schema(client):
     """llama.cpp's server takes ``response_format: {"type": "json_object", "schema": ...}``:
     the schema is followed (it was dropped: any JSON object came back)."""

@@ -117,6 +117,13 @@ def test_the_input_is_not_changed_and_data_is_not_read_as_schema():
         ({**_OBJ, "maxProperties": 1}, '{"a": 1, "b": 2}', "maxProperties"),
         ({"type": "object", "properties": {"q": {"type": "array", "uniqueItems": True}}},
          '{"q": [true, true]}', "uniqueItems"),
+        # number bounds past 2^53: the library read them as floats (2^53 + 1 let 2^53 by),
+        # or as an i64 (2^64 - 6 let 2^63 - 1 by): 200s that broke the schema
+        ({"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 1}, str(2**53),
+         "minimum"),
+        ({"type": "integer", "minimum": 2**64 - 6}, str(2**63 - 1), "minimum"),
+        ({"type": "object", "properties": {"id": {"type": "integer", "maximum": -(2**60)}}},
+         '{"id": -1152921504606846975}', "maximum"),
     ],
 )  # fmt: skip
 def test_the_check_after_names_the_broken_keyword(schema, answer, keyword):
@@ -131,6 +138,10 @@ def test_valid_answers_pass_the_check_and_plain_schemas_need_none():
     assert final_check(text, "[1, 2, 3]") is None
     assert "not JSON" in final_check(text, "[1, 2")
     assert not needs_final_check(json.dumps({"type": "object", "properties": {"not": {}}}))
+    assert not needs_final_check(json.dumps({"type": "integer", "minimum": 2**53}))
+    assert (
+        final_check(json.dumps({"type": "integer", "minimum": 2**53 + 1}), str(2**53 + 1)) is None
+    )
 
 
 def test_fix_schema_applies_the_narrowing(backend, smollm2_tokenizer):

@@ -71,6 +71,18 @@ _PARAM_NAMES = {
 }  # fmt: skip
 
 
+def in_own_words(e: OpenAIError, max_tokens: str | None, prompt: str | None) -> OpenAIError:
+    """A 400 of the shared steps in an API's own words: ``max_tokens`` wherever it is named
+    (also in "min_tokens (50) must be <= max_tokens (10)"), and a prompt too long for the
+    context (the engine's "prompt: N tokens ...") as the field the request sent."""
+    if max_tokens is not None:
+        e.param = max_tokens if e.param == "max_tokens" else e.param
+        e.message = re.sub(r"\bmax_tokens\b", max_tokens, e.message)
+    if prompt is not None and e.param == "prompt" and re.match(r"prompt: \d+ tokens", e.message):
+        e.param, e.message = prompt, prompt + e.message[len("prompt") :]
+    return e
+
+
 def bad_request(e: Exception | str, param: str | None = None) -> OpenAIError:
     message = str(e)
     if param is None:

@@ -5,7 +5,6 @@ chunks, in which content and tool-call deltas stream as generated (tool_stream.p
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -59,11 +58,9 @@ class ChatServing(OpenAIServing):
             self.check_request(req)
             job = await self.prepare(req)
             stream = await self.submit(job, req)
-        except OpenAIError as e:  # a 400 naming max_tokens names the field sent instead
-            if e.param == "max_tokens" and req.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"
-                e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
-            raise
+        except OpenAIError as e:  # named as this request sent them
+            sent = "max_completion_tokens" if req.max_completion_tokens is not None else None
+            raise P.in_own_words(e, sent, "messages") from None
         if job.stream:
             return self.sse(self.chunks(job, stream))
         return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))

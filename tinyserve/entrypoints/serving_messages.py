@@ -15,9 +15,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailedError
+from tinyserve.entrypoints import protocol as P
 from tinyserve.entrypoints import protocol_anthropic as A
 from tinyserve.entrypoints.http_guards import check_api_key
-from tinyserve.entrypoints.protocol import bad_request
+from tinyserve.entrypoints.protocol import OpenAIError, bad_request
 from tinyserve.entrypoints.serving import (
     Job,
     OpenAIServing,
@@ -44,9 +45,12 @@ from tinyserve.sampling_params import SamplingParams
 class MessagesServing(OpenAIServing):
     async def create(self, req: A.MessagesRequest, raw: Request) -> Response:
         """validate -> params -> prompt (``prepare``) -> submit -> events or the message."""
-        self.check_request(req)
-        job = await self.prepare(req)
-        stream = await self.submit(job, req)
+        try:
+            self.check_request(req)
+            job = await self.prepare(req)
+            stream = await self.submit(job, req)
+        except OpenAIError as e:  # a prompt too long: this API's messages
+            raise P.in_own_words(e, None, "messages") from None
         if job.stream:
             return self.sse(self._events(job, stream), typed=True)
         return AnswerResponse(self.response(job, *await self.collect(raw, stream, job)))

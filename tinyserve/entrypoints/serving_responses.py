@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from tinyserve.engine.client import EngineDeadError, OutputStream, RequestFailedError
 from tinyserve.entrypoints import reasoning as R
 from tinyserve.entrypoints.http_guards import check_api_key
-from tinyserve.entrypoints.protocol import ErrorResponse, OpenAIError, dump
+from tinyserve.entrypoints.protocol import ErrorResponse, OpenAIError, dump, in_own_words
 from tinyserve.entrypoints.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
@@ -171,16 +171,13 @@ def _answer_events(
 
 
 def _in_own_terms(e: OpenAIError) -> OpenAIError:
-    """A 400 of the shared steps naming ``max_tokens`` names this API's field,
-    max_output_tokens; one naming the prompt or the messages (too long for the context, a
-    chat template's failure) names ``input`` (``prompt`` is another field here)."""
-    if e.param == "max_tokens":
-        e.param = "max_output_tokens"
-        e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
-    elif e.param in ("prompt", "messages"):
-        e.message = re.sub(rf"^{e.param}\b", "input", e.message)
-        e.param = "input"
-    return e
+    """A 400 of the shared steps in this API's words: ``max_tokens`` is max_output_tokens
+    (also inside another field's message: min_tokens'), and the messages, or a prompt too
+    long for the context, are ``input`` (``prompt`` is a field of its own here: its 400
+    keeps its name)."""
+    if e.param == "messages":
+        e.param, e.message = "input", re.sub(r"^messages\b", "input", e.message)
+    return in_own_words(e, "max_output_tokens", "input")
 
 
 def _body_size(raw: Request) -> int:

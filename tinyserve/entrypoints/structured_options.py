@@ -62,10 +62,11 @@ def structured_outputs_field(so: P.StructuredOutputsField | None) -> StructuredO
 
 
 def _has_options(so: P.StructuredOutputsField) -> bool:
-    return bool(
-        so.disable_any_whitespace or so.whitespace_pattern is not None
-        or so.disable_additional_properties or so.disable_fallback
-    )  # fmt: skip
+    """Some option sent, its default value too (a client that writes every field: a 400
+    "give exactly one of json, ..." beside a response_format before)."""
+    options = {"disable_any_whitespace", "whitespace_pattern", "disable_additional_properties",
+               "disable_fallback"}  # fmt: skip
+    return bool(options & so.model_fields_set)
 
 
 def _layout(so: P.StructuredOutputsField) -> dict | None:

@@ -60,9 +60,16 @@ def uses_keywords(schema) -> bool:
         return any(uses_keywords(s) for s in schema)
     if not isinstance(schema, dict):
         return False
-    if KEYWORDS & schema.keys() or "oneOf" in schema or _lookaround(schema):
+    if KEYWORDS & schema.keys() or "oneOf" in schema or _lookaround(schema) or _huge(schema):
         return True  # (oneOf is compiled as anyOf: wider where its branches overlap)
     return any(uses_keywords(s) for s in _children(schema))
+
+
+def _huge(schema: dict) -> bool:
+    """A number bound past 2^53, which the library reads as a float (or an i64): ``minimum:
+    2^53 + 1`` let 2^53 through, ``minimum: 2^64 - 6`` 2^63 - 1."""
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+    return any(type(v) in (int, float) and abs(v) > 2**53 for v in map(schema.get, bounds))
 
 
 _LOOKAROUNDS = ("(?=", "(?!", "(?<=", "(?<!")

@@ -157,6 +157,8 @@ class CompletionServing(OpenAIServing):
     def _special_ids(self) -> frozenset[int]:
         """What a decode with skip_special_tokens leaves out: every added token marked special
         (SmolLM2's 17, not only the 3 of ``all_special_ids``)."""
+        if self.tokenizer is None:  # (ids' names stand for tokens: nothing is skipped)
+            return frozenset()
         added = getattr(self.tokenizer, "added_tokens_decoder", {})
         return frozenset(self.tokenizer.all_special_ids) | frozenset(
             i for i, t in added.items() if getattr(t, "special", False))  # fmt: skip

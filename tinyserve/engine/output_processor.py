@@ -277,12 +277,12 @@ class OutputProcessor:
 
 
 def _stopped_by_token(req: Request, token_id: int) -> bool:
-    """The request ended on ``token_id``: a stop id, or EOS (check_stop's order)."""
+    """The request ended on ``token_id``: a stop id, or EOS (check_stop's, or a grammar's end,
+    ignore_eos or not)."""
     if req.status != RequestStatus.FINISHED_STOPPED:
         return False
-    if isinstance(req.stop_reason, int):
-        return token_id == req.stop_reason
-    return not req.sampling_params.ignore_eos and token_id in req.eos_token_ids
+    return token_id == req.stop_reason if isinstance(req.stop_reason, int) else (
+        token_id in req.eos_token_ids)  # fmt: skip
 
 
 def _detokenize_armed(detok, token_ids: list[int], finished: bool, first: int):
